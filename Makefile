@@ -1,0 +1,61 @@
+# torchgraft: a fresh machine needs two commands, `make demo` and `make test`.
+# Each creates the virtual environment, installs torch and the build tools from
+# the package registry, builds the Rust extension (release) and runs its job.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= 2.13.0
+PY := $(VENV)/bin/python
+# nvcc 13.0 from PyPI, pinned as one family so its pieces agree (the GPU machines run 13.0).
+CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0.* nvidia-cuda-cccl==13.0.*
+PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2"
+DEPS_STAMP := $(VENV)/.torchgraft-deps-torch-$(TORCH)
+# graft-cuda's build script compiles the CUDA kernels with $NVCC when it is set.
+WITH_NVCC = NVCC="$$(ls $(VENV)/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
+
+.PHONY: demo test deps build test-rust test-python lint fmt bench wheel clean
+
+demo: build
+	$(PY) -m torchgraft demo
+
+test: test-rust test-python
+
+$(DEPS_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH) $(PY_TOOLS) $(CUDA_TOOLS)
+	touch $@
+
+deps: $(DEPS_STAMP)
+
+build: deps
+	$(WITH_NVCC) VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+
+test-rust: deps
+	$(WITH_NVCC) cargo test --workspace --release -q
+
+test-python: build
+	$(PY) -m pytest -q tests
+
+lint: deps
+	cargo fmt --all -- --check
+	$(WITH_NVCC) cargo clippy --workspace --all-targets --release -q -- -D warnings
+	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff format --check python tests bench
+
+fmt: deps
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests bench
+	$(VENV)/bin/ruff check --fix python tests bench
+
+bench: build
+	$(PY) bench/rms_norm_cpu.py
+
+# An abi3 wheel (one for every Python >= 3.10 and torch >= 2.11), for the GPU machine.
+wheel: deps
+	$(WITH_NVCC) $(VENV)/bin/maturin build --release -q -o dist
+
+clean:
+	cargo clean
+	rm -rf $(VENV) dist python/torchgraft/*.so
