@@ -1,0 +1,151 @@
+//! Scalar types and devices as the stable ABI encodes them.
+
+use std::fmt;
+
+/// A tensor's scalar type: the `c10::ScalarType` code that the stable ABI passes around.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DType(pub i32);
+
+impl DType {
+    pub const U8: DType = DType(0);
+    pub const I8: DType = DType(1);
+    pub const I16: DType = DType(2);
+    pub const I32: DType = DType(3);
+    pub const I64: DType = DType(4);
+    pub const F16: DType = DType(5);
+    pub const F32: DType = DType(6);
+    pub const F64: DType = DType(7);
+    pub const COMPLEX32: DType = DType(8);
+    pub const COMPLEX64: DType = DType(9);
+    pub const COMPLEX128: DType = DType(10);
+    pub const BOOL: DType = DType(11);
+    pub const BF16: DType = DType(15);
+
+    /// The name c10 gives the type in messages ("Float", "BFloat16", "Long", ...).
+    pub fn name(self) -> &'static str {
+        const NAMES: [&str; 16] = [
+            "Byte",
+            "Char",
+            "Short",
+            "Int",
+            "Long",
+            "Half",
+            "Float",
+            "Double",
+            "ComplexHalf",
+            "ComplexFloat",
+            "ComplexDouble",
+            "Bool",
+            "QInt8",
+            "QUInt8",
+            "QInt32",
+            "BFloat16",
+        ];
+        usize::try_from(self.0)
+            .ok()
+            .and_then(|i| NAMES.get(i))
+            .copied()
+            .unwrap_or("(other dtype)")
+    }
+
+    /// Whether this is one of the real floating-point types kernels compute in.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::F32 | DType::F64 | DType::BF16)
+    }
+
+    /// Size of one element in bytes, for the types kernels handle.
+    pub fn size(self) -> Option<usize> {
+        match self {
+            DType::U8 | DType::I8 | DType::BOOL => Some(1),
+            DType::I16 | DType::F16 | DType::BF16 => Some(2),
+            DType::I32 | DType::F32 => Some(4),
+            DType::I64 | DType::F64 | DType::COMPLEX64 => Some(8),
+            DType::COMPLEX128 => Some(16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Debug for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Rust element types with a torch dtype: what a tensor's data may be viewed as.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The matching dtype.
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+
+/// A device type code (`c10::DeviceType`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct DeviceType(pub i32);
+
+impl DeviceType {
+    pub const CPU: DeviceType = DeviceType(0);
+    pub const CUDA: DeviceType = DeviceType(1);
+    pub const META: DeviceType = DeviceType(14);
+
+    /// The name torch prints ("cpu", "cuda", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceType::CPU => "cpu",
+            DeviceType::CUDA => "cuda",
+            DeviceType::META => "meta",
+            _ => "(other device)",
+        }
+    }
+}
+
+/// A device: type and index (-1 for "current"/none).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Device {
+    pub kind: DeviceType,
+    pub index: i32,
+}
+
+impl Device {
+    /// The CPU.
+    pub const CPU: Device = Device {
+        kind: DeviceType::CPU,
+        index: -1,
+    };
+    /// The meta device (shapes only).
+    pub const META: Device = Device {
+        kind: DeviceType::META,
+        index: -1,
+    };
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.index >= 0 {
+            write!(f, "{}:{}", self.kind.name(), self.index)
+        } else {
+            f.write_str(self.kind.name())
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! torchgraft's native grafts: kernels in Rust (CPU) and CUDA C++ registered for aten operators
+//! through PyTorch's stable C ABI, with no Python on the call path.
+//!
+//! [`enable`] registers every graft this process can run, [`disable`] removes them (the kernels
+//! that were there before come back), [`grafts`] reports them with their call counts.
+
+mod layout;
+pub mod rms_norm;
+mod stats;
+mod threads;
+
+use std::sync::Mutex;
+
+use graft_abi::{Library, Result};
+
+pub use stats::Counters;
+
+/// One native graft: an operator at a dispatch key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraftInfo {
+    /// Qualified operator name, e.g. `aten::_fused_rms_norm`.
+    pub op: &'static str,
+    /// Dispatch key, e.g. `CPU`.
+    pub dispatch_key: &'static str,
+    /// Whether it is registered now.
+    pub active: bool,
+    /// Calls since the last reset.
+    pub calls: u64,
+    /// Calls computed by a slower general path instead of the fused kernel.
+    pub fallbacks: u64,
+}
+
+struct Graft {
+    op: &'static str,
+    dispatch_key: &'static str,
+    counters: &'static Counters,
+}
+
+const GRAFTS: [Graft; 2] = [
+    Graft {
+        op: "aten::_fused_rms_norm",
+        dispatch_key: "CPU",
+        counters: &rms_norm::cpu::FORWARD,
+    },
+    Graft {
+        op: "aten::_fused_rms_norm_backward",
+        dispatch_key: "CPU",
+        counters: &rms_norm::cpu::BACKWARD,
+    },
+];
+
+/// The libraries holding our registrations, while enabled.
+static INSTALLED: Mutex<Option<Vec<Library>>> = Mutex::new(None);
+
+fn installed() -> std::sync::MutexGuard<'static, Option<Vec<Library>>> {
+    INSTALLED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Registers the native grafts (idempotent). Needs libtorch loaded in the process.
+pub fn enable() -> Result<()> {
+    let mut installed = installed();
+    if installed.is_some() {
+        return Ok(());
+    }
+    graft_abi::load()?;
+    let mut cpu = Library::implementations(c"aten", c"CPU")?;
+    cpu.register::<rms_norm::cpu::ForwardCpu>(c"_fused_rms_norm")?;
+    cpu.register::<rms_norm::cpu::BackwardCpu>(c"_fused_rms_norm_backward")?;
+    *installed = Some(vec![cpu]);
+    Ok(())
+}
+
+/// Removes the native grafts, restoring the kernels that were there before (idempotent).
+pub fn disable() {
+    // Dropping the libraries deregisters their kernels.
+    installed().take();
+}
+
+/// Whether the native grafts are registered.
+pub fn is_enabled() -> bool {
+    installed().is_some()
+}
+
+/// Every native graft this build has, with its state and counters.
+pub fn grafts() -> Vec<GraftInfo> {
+    let active = is_enabled();
+    GRAFTS
+        .iter()
+        .map(|g| {
+            let (calls, fallbacks) = g.counters.read();
+            GraftInfo {
+                op: g.op,
+                dispatch_key: g.dispatch_key,
+                active,
+                calls,
+                fallbacks,
+            }
+        })
+        .collect()
+}
+
+/// Zeroes every graft's counters.
+pub fn reset_stats() {
+    GRAFTS.iter().for_each(|g| g.counters.reset());
+}

@@ -1,0 +1,58 @@
+//! `torchgraft._native`: the Python face of the native grafts. Python calls into it only to
+//! enable, disable and inspect; the grafts themselves run without Python.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Registers the native grafts with the dispatcher (idempotent). `import torch` must come first.
+#[pyfunction]
+fn enable() -> PyResult<()> {
+    graft_native::enable().map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// Removes the native grafts, restoring the kernels that were there before (idempotent).
+#[pyfunction]
+fn disable() {
+    graft_native::disable();
+}
+
+/// Whether the native grafts are registered.
+#[pyfunction]
+fn is_enabled() -> bool {
+    graft_native::is_enabled()
+}
+
+/// Every native graft this build has: dicts with op, dispatch_key, active, calls, fallbacks.
+#[pyfunction]
+fn grafts(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    graft_native::grafts()
+        .into_iter()
+        .map(|g| {
+            let d = PyDict::new(py);
+            d.set_item("op", g.op)?;
+            d.set_item("dispatch_key", g.dispatch_key)?;
+            d.set_item("active", g.active)?;
+            d.set_item("calls", g.calls)?;
+            d.set_item("fallbacks", g.fallbacks)?;
+            Ok(d)
+        })
+        .collect()
+}
+
+/// Zeroes the native grafts' counters.
+#[pyfunction]
+fn reset_stats() {
+    graft_native::reset_stats();
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(enable, m)?)?;
+    m.add_function(wrap_pyfunction!(disable, m)?)?;
+    m.add_function(wrap_pyfunction!(is_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(grafts, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,91 @@
+"""Switching torchgraft on and off, and reading what ran."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+from torchgraft import native
+
+log = logging.getLogger("torchgraft")
+
+_lock = threading.RLock()
+_enabled = False
+
+DISABLE_ENV = "TORCHGRAFT_DISABLE"
+"""Set to 1 to make :func:`enable` a no-op (the global kill switch)."""
+DISABLE_NATIVE_ENV = "TORCHGRAFT_DISABLE_NATIVE"
+"""Set to 1 to keep the native route (Rust / CUDA C++ kernels) out of :func:`enable`."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def enable() -> None:
+    """Install torchgraft's grafts under PyTorch's operators.
+
+    After this, unchanged model code (``F.rms_norm``, ``nn.RMSNorm``, ...) runs torchgraft's
+    kernels wherever they apply, in forward and backward; everything else runs as before.
+    Idempotent. ``TORCHGRAFT_DISABLE=1`` turns it into a no-op.
+    """
+    global _enabled
+    with _lock:
+        if _env_flag(DISABLE_ENV):
+            log.info("torchgraft.enable() skipped: %s is set", DISABLE_ENV)
+            return
+        if _enabled:
+            return
+        if _env_flag(DISABLE_NATIVE_ENV):
+            log.info("native route skipped: %s is set", DISABLE_NATIVE_ENV)
+        elif not native.available():
+            log.info("native route skipped: the extension torchgraft._native is not built")
+        else:
+            native.enable()
+        _enabled = True
+
+
+def disable() -> None:
+    """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
+    global _enabled
+    with _lock:
+        native.disable()
+        _enabled = False
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _enabled
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """Enable torchgraft inside a ``with`` block, restoring the previous state on exit."""
+    with _lock:
+        was_enabled = _enabled
+        enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable()
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """Per-graft counters: ``{"native/aten::_fused_rms_norm/CPU": {"calls": 3, "fallbacks": 0}}``.
+
+    ``calls`` counts calls that reached the graft; ``fallbacks`` counts those it handed to a slower
+    general path (native route) or to the previous kernel (Python route).
+    """
+    return {
+        f"native/{g.op}/{g.dispatch_key}": {"calls": g.calls, "fallbacks": g.fallbacks}
+        for g in native.grafts()
+    }
+
+
+def reset_stats() -> None:
+    """Zero every graft's counters."""
+    native.reset_stats()

@@ -1,0 +1,74 @@
+"""The native route: Rust (CPU) and CUDA C++ kernels registered through PyTorch's stable C ABI.
+
+The kernels run without Python; this module only switches them on and off and reads their
+counters. Everything here is also reachable through :mod:`torchgraft`'s top-level functions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NativeGraft:
+    """A native kernel registered (or registrable) for an aten operator at a dispatch key."""
+
+    op: str
+    """Qualified operator name, e.g. ``"aten::_fused_rms_norm"``."""
+    dispatch_key: str
+    """Dispatch key, e.g. ``"CPU"``."""
+    active: bool
+    """Whether the kernel is registered now."""
+    calls: int
+    """Calls since the last reset."""
+    fallbacks: int
+    """Calls the fused kernel did not cover, computed by a slower general path."""
+
+
+def available() -> bool:
+    """Whether the compiled extension ``torchgraft._native`` is present."""
+    return importlib.util.find_spec("torchgraft._native") is not None
+
+
+def enable() -> None:
+    """Register the native kernels with the dispatcher (idempotent)."""
+    import torch  # noqa: F401  (libtorch must be loaded before the extension looks it up)
+
+    from torchgraft import _native
+
+    _native.enable()
+
+
+def disable() -> None:
+    """Remove the native kernels, restoring what was registered before (idempotent)."""
+    if available():
+        from torchgraft import _native
+
+        _native.disable()
+
+
+def is_enabled() -> bool:
+    """Whether the native kernels are registered."""
+    if not available():
+        return False
+    from torchgraft import _native
+
+    return bool(_native.is_enabled())
+
+
+def grafts() -> list[NativeGraft]:
+    """Every native graft of this build, with its state and counters."""
+    if not available():
+        return []
+    from torchgraft import _native
+
+    return [NativeGraft(**g) for g in _native.grafts()]
+
+
+def reset_stats() -> None:
+    """Zero the native grafts' counters."""
+    if available():
+        from torchgraft import _native
+
+        _native.reset_stats()
