@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from torchgraft import native
 
@@ -25,27 +25,45 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def enable() -> None:
+ROUTES = ("native",)
+"""The routes :func:`enable` can install: ``"native"`` (Rust / CUDA C++ kernels)."""
+
+
+def enable(routes: Iterable[str] | None = None) -> None:
     """Install torchgraft's grafts under PyTorch's operators.
 
     After this, unchanged model code (``F.rms_norm``, ``nn.RMSNorm``, ...) runs torchgraft's
     kernels wherever they apply, in forward and backward; everything else runs as before.
-    Idempotent. ``TORCHGRAFT_DISABLE=1`` turns it into a no-op.
+
+    Args:
+        routes: which routes to install (see :data:`ROUTES`); all available ones by default.
+
+    Idempotent: calling it again while enabled changes nothing (call :func:`disable` first to
+    switch routes). ``TORCHGRAFT_DISABLE=1`` turns it into a no-op.
     """
     global _enabled
+    wanted = set(ROUTES if routes is None else routes)
+    unknown = wanted - set(ROUTES)
+    if unknown:
+        raise ValueError(f"unknown route(s) {sorted(unknown)}; known: {list(ROUTES)}")
     with _lock:
         if _env_flag(DISABLE_ENV):
             log.info("torchgraft.enable() skipped: %s is set", DISABLE_ENV)
             return
         if _enabled:
             return
-        if _env_flag(DISABLE_NATIVE_ENV):
-            log.info("native route skipped: %s is set", DISABLE_NATIVE_ENV)
-        elif not native.available():
-            log.info("native route skipped: the extension torchgraft._native is not built")
-        else:
-            native.enable()
+        if "native" in wanted:
+            _enable_native()
         _enabled = True
+
+
+def _enable_native() -> None:
+    if _env_flag(DISABLE_NATIVE_ENV):
+        log.info("native route skipped: %s is set", DISABLE_NATIVE_ENV)
+    elif not native.available():
+        log.info("native route skipped: the extension torchgraft._native is not built")
+    else:
+        native.enable()
 
 
 def disable() -> None:
@@ -62,11 +80,12 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled() -> Iterator[None]:
-    """Enable torchgraft inside a ``with`` block, restoring the previous state on exit."""
+def enabled(routes: Iterable[str] | None = None) -> Iterator[None]:
+    """Enable torchgraft inside a ``with`` block (see :func:`enable`); restore the previous state
+    on exit."""
     with _lock:
         was_enabled = _enabled
-        enable()
+        enable(routes)
     try:
         yield
     finally:
