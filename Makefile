@@ -14,12 +14,12 @@ DEPS_STAMP := $(VENV)/.torchgraft-deps-torch-$(TORCH)
 # graft-cuda's build script compiles the CUDA kernels with $NVCC when it is set.
 WITH_NVCC = NVCC="$$(ls $(VENV)/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
 
-.PHONY: demo test deps build test-rust test-python lint fmt bench wheel clean
+.PHONY: demo test deps build test-rust test-host test-python lint fmt bench wheel clean
 
 demo: build
 	$(PY) -m torchgraft demo
 
-test: test-rust test-python
+test: test-rust test-host test-python
 
 $(DEPS_STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ build: deps
 
 test-rust: deps
 	$(WITH_NVCC) cargo test --workspace --release -q
+
+# The native grafts from a program with no Python: libtorch from the venv's torch wheel.
+test-host: deps
+	$(WITH_NVCC) cargo build --release -q -p graft-capi -p graft-host
+	target/release/torchgraft-host --device cpu \
+		--torch-lib "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')/lib" \
+		--graft-lib target/release/libtorchgraft.so
 
 test-python: build
 	$(PY) -m pytest -q tests
