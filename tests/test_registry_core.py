@@ -7,8 +7,8 @@ import threading
 
 import pytest
 import torch
-from conftest import rel_err
 
+from conftest import rel_err
 from torchgraft import registry
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
@@ -173,7 +173,9 @@ def test_impl_exception_propagates_and_leaves_the_guard_clear():
             raise RuntimeError("kernel failed")
         return mm64(x, y)
 
-    registry.register_op_override("test", "aten", "mm", "CPU", None, impl, unconditional_override=True)
+    registry.register_op_override(
+        "test", "aten", "mm", "CPU", None, impl, unconditional_override=True
+    )
     with pytest.raises(RuntimeError, match="kernel failed"):
         torch.mm(a, b)
     state["fail"] = False
@@ -190,7 +192,9 @@ def test_reentrant_call_reaches_the_previous_kernel():
         seen.append(1)
         return torch.mm(x, y)  # the same op again: must reach ATen, not recurse
 
-    registry.register_op_override("test", "aten", "mm", "CPU", None, impl, unconditional_override=True)
+    registry.register_op_override(
+        "test", "aten", "mm", "CPU", None, impl, unconditional_override=True
+    )
     out = torch.mm(a, b)
     assert torch.equal(out, stock)
     assert seen == [1]
@@ -240,7 +244,9 @@ def test_reentrancy_guard_is_per_thread():
             assert release.wait(10)
         return mm64(x, y)
 
-    registry.register_op_override("test", "aten", "mm", "CPU", None, impl, unconditional_override=True)
+    registry.register_op_override(
+        "test", "aten", "mm", "CPU", None, impl, unconditional_override=True
+    )
     results = {}
 
     def run(name):
@@ -283,7 +289,12 @@ def test_inplace_override_writes_into_self_and_returns_it():
 def test_inplace_override_returning_a_new_tensor_is_an_error():
     x, y = torch.randn(8), torch.randn(8)
     registry.register_op_override(
-        "test", "aten", "add_.Tensor", "CPU", lambda s, o, **kw: s.numel() == 8, lambda s, o, **kw: s + o
+        "test",
+        "aten",
+        "add_.Tensor",
+        "CPU",
+        lambda s, o, **kw: s.numel() == 8,
+        lambda s, o, **kw: s + o,
     )
     with pytest.raises(RuntimeError, match="must return that same tensor"):
         x.add_(y)

@@ -38,7 +38,7 @@ _DEVICE_KEYS = {
 
 
 def _schema_tail(overload: torch._ops.OpOverload) -> str:
-    """``aten::mm(Tensor self, Tensor mat2) -> Tensor`` -> ``(Tensor self, Tensor mat2) -> Tensor``."""
+    """The schema without its name: ``aten::mm(Tensor self, ...) -> Tensor`` -> ``(...)...``."""
     text = str(overload._schema)
     return text[text.index("(") :]
 

@@ -76,7 +76,12 @@ def make_router(
     impl or ``fallback`` (the captured kernel's ``call_boxed``). Cond exceptions propagate.
     """
     entries = tuple(
-        (None if node.cond_fn is always_true else node.cond_fn, node.impl_fn, node.with_keyset, node)
+        (
+            None if node.cond_fn is always_true else node.cond_fn,
+            node.impl_fn,
+            node.with_keyset,
+            node,
+        )
         for node in chain
     )
 

@@ -13,9 +13,7 @@ from types import ModuleType
 from . import cutedsl, cutile, helion, native, triton
 
 #: DSL name -> its helper module.
-DSLS: dict[str, ModuleType] = {
-    m.NAME: m for m in (triton, cutedsl, helion, cutile, native)
-}
+DSLS: dict[str, ModuleType] = {m.NAME: m for m in (triton, cutedsl, helion, cutile, native)}
 
 
 def dsl_versions() -> dict[str, str | None]:

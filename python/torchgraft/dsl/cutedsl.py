@@ -1,6 +1,6 @@
 """Overrides written in CuTeDSL (the nvidia-cutlass-dsl package, module ``cutlass``).
 
-Availability and version come from the import system and package metadata; nvidia-cutlass-dsl is never
+Availability and version come from the import system and package metadata; the DSL is never
 imported here. Registration is skipped, with an INFO log on ``torchgraft.dsl.cutedsl``, when it
 is missing, older than 4.4.1 (``TORCHGRAFT_SKIP_VERSION_CHECK=1`` skips the gate) or
 ``TORCH_DISABLE_NATIVE_JIT=1`` is set.
