@@ -407,17 +407,16 @@ def register_op_override(
 
     with _lock:
         slot = _slots.get((symbol, key))
-        for node in slot.nodes if slot is not None else ():
-            if node.dsl_name != dsl:
-                continue
+        same_dsl = [n for n in slot.nodes if n.dsl_name == dsl] if slot is not None else []
+        for node in same_dsl:
             if node.impl_fn is impl and node.cond_fn is cond and node.with_keyset == with_keyset:
                 log.debug("%s is already registered; nothing to do", node.stats_key)
-                return _info(slot, node)  # type: ignore[arg-type]
-            if not allow_multiple_override:
-                raise ValueError(
-                    f"{dsl} already overrides aten::{symbol} at {key} ({node.stats_key}); "
-                    "pass allow_multiple_override=True to add another override"
-                )
+                return _info(slot, node)  # type: ignore[arg-type]  # same_dsl implies a slot
+        if same_dsl and not allow_multiple_override:
+            raise ValueError(
+                f"{dsl} already overrides aten::{symbol} at {key} ({same_dsl[0].stats_key}); "
+                "pass allow_multiple_override=True to add another override"
+            )
         if slot is None:
             guard = _guards.setdefault((symbol, key), RouteGuard())
             slot = _Slot(symbol, key, overload, guard)

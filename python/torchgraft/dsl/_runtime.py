@@ -73,10 +73,13 @@ class DSLRuntime:
         package: str,
         module: str,
         min_version: str | None,
+        other_packages: tuple[str, ...] = (),
         version_fn: Callable[[], Version | None] | None = None,
     ) -> None:
         self.name = name
         self.package = package
+        #: Other distributions that provide the same module (e.g. nightly ``pytorch-triton``).
+        self.other_packages = other_packages
         self.module = module
         self.min_version = Version(min_version) if min_version is not None else None
         self._version_fn = version_fn
@@ -92,7 +95,11 @@ class DSLRuntime:
             return None
         if self._version_fn is not None:
             return self._version_fn()
-        return package_version(self.package)
+        for package in (self.package, *self.other_packages):
+            version = package_version(package)
+            if version is not None:
+                return version
+        return None
 
     def version_ok(self) -> bool:
         """Whether the installed version passes the gate (``TORCHGRAFT_SKIP_VERSION_CHECK=1``

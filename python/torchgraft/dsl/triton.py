@@ -15,8 +15,12 @@ NAME = "triton"
 PACKAGE = "triton"
 MODULE = "triton"
 MIN_VERSION = "3.6"
+#: PyTorch's nightly wheels ship Triton under this distribution name.
+OTHER_PACKAGES = ("pytorch-triton",)
 
-runtime = DSLRuntime(NAME, package=PACKAGE, module=MODULE, min_version=MIN_VERSION)
+runtime = DSLRuntime(
+    NAME, package=PACKAGE, module=MODULE, min_version=MIN_VERSION, other_packages=OTHER_PACKAGES
+)
 
 runtime_available = runtime.runtime_available
 runtime_version = runtime.runtime_version
