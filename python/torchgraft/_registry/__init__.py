@@ -1,0 +1,1 @@
+"""Internals of :mod:`torchgraft.registry` (the Python route into the dispatcher)."""

@@ -1,0 +1,34 @@
+"""Shared pytest fixtures and markers for torchgraft's tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``cuda`` when no GPU is usable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def clean_overrides() -> Iterator[None]:
+    """Start and end the test with no torchgraft override registered (dispatcher restored)."""
+    from torchgraft import registry
+
+    registry.clear_overrides()
+    yield
+    registry.clear_overrides()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, computed in float64."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    return float((out64 - ref64).norm() / ref64.norm())
