@@ -1,16 +1,36 @@
 """torchgraft: graft fast kernels under PyTorch's own operators.
 
 Importing torchgraft changes nothing and imports no kernel DSL. :func:`enable` (or the scoped
-``with torchgraft.enabled():``) installs the grafts; unchanged model code then runs them.
+``with torchgraft.enabled():``) installs torchgraft's grafts; unchanged model code then runs them.
+:func:`register_op_override` grafts your own kernel, written in any DSL, the way ``torch._native``
+does on torch 2.13, on torch 2.11, 2.12 and 2.13+.
 """
 
 from torchgraft.control import disable, enable, enabled, is_enabled, reset_stats, stats
+from torchgraft.registry import (
+    clear_overrides,
+    deregister_op_overrides,
+    list_overrides,
+    native_decomp_table,
+    reenable_op_overrides,
+    register_op_override,
+    reorder_overrides,
+    suspend_routers,
+)
 
 __all__ = [
+    "clear_overrides",
+    "deregister_op_overrides",
     "disable",
     "enable",
     "enabled",
     "is_enabled",
+    "list_overrides",
+    "native_decomp_table",
+    "reenable_op_overrides",
+    "register_op_override",
+    "reorder_overrides",
     "reset_stats",
     "stats",
+    "suspend_routers",
 ]

@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 
-from torchgraft import native
+from torchgraft import native, registry
 
 log = logging.getLogger("torchgraft")
 
@@ -63,14 +63,17 @@ def _enable_native() -> None:
     elif not native.available():
         log.info("native route skipped: the extension torchgraft._native is not built")
     else:
-        native.enable()
+        # Routers capture the kernel below them when installed: rebuild them on top.
+        with registry.suspend_routers():
+            native.enable()
 
 
 def disable() -> None:
     """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
     global _enabled
     with _lock:
-        native.disable()
+        with registry.suspend_routers():
+            native.disable()
         _enabled = False
 
 
@@ -96,15 +99,19 @@ def enabled(routes: Iterable[str] | None = None) -> Iterator[None]:
 def stats() -> dict[str, dict[str, int]]:
     """Per-graft counters: ``{"native/aten::_fused_rms_norm/CPU": {"calls": 3, "fallbacks": 0}}``.
 
-    ``calls`` counts calls that reached the graft; ``fallbacks`` counts those it handed to a slower
-    general path (native route) or to the previous kernel (Python route).
+    Native grafts: ``calls`` counts calls that reached the kernel, ``fallbacks`` those it computed
+    by a slower general path. Python-route overrides (keys ``"<dsl>/<op>/<key>"``): ``calls``
+    counts impl runs, ``fallbacks`` calls passed on to the kernel below (cond false, or the impl
+    called the op again).
     """
-    return {
+    native_stats = {
         f"native/{g.op}/{g.dispatch_key}": {"calls": g.calls, "fallbacks": g.fallbacks}
         for g in native.grafts()
     }
+    return native_stats | registry.override_stats()
 
 
 def reset_stats() -> None:
     """Zero every graft's counters."""
     native.reset_stats()
+    registry.reset_stats()
