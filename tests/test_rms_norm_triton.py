@@ -165,6 +165,20 @@ def test_backward_computes_only_what_is_asked(want, single_pass):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize(("n", "rows"), [(1, 5), (100, 33)])
+def test_backward_with_and_without_prefetch(prefetch, n, rows):
+    x = torch.randn(rows, n, dtype=torch.bfloat16)
+    dy = torch.randn(rows, n, dtype=torch.bfloat16)
+    w = torch.randn(n, dtype=torch.bfloat16)
+    _, rstd = run_forward(x, w, 1e-6)
+    base = tk.backward_config(n, x.dtype)
+    cfg = tk.BackwardConfig(base.block_n, 2, base.num_warps, True, 2, prefetch=prefetch)
+    dx, dw = run_backward(dy, x, rstd, w, config=cfg)
+    check_backward(dy, x, w, 1e-6, dx, dw)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("programs", [1, 3, 33])
 def test_dw_is_deterministic_and_independent_of_grid_size_within_rounding(programs):
     x = torch.randn(33, 64, dtype=torch.float32)

@@ -57,7 +57,8 @@ def _rsqrt(v, IS_FP64: tl.constexpr):
         return tl.rsqrt(v)
 
 
-@triton.jit
+# Row counts only bound loops and masks: no recompiling for rows == 1 or rows % 16 == 0.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_fwd_kernel(
     x_ptr,
     w_ptr,
@@ -116,6 +117,21 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _load_tile(
+    x_ptr, dy_ptr, rstd_ptr, tile, n_rows, n_cols, tile_rows, cols, col_mask, ROWS: tl.constexpr
+):
+    """x, dy (as stored) and rstd of one tile of rows; nothing past the last row."""
+    rows = tile * ROWS + tile_rows
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    return x, dy, rstd
+
+
+@triton.jit(do_not_specialize=["n_rows", "num_programs"])
 def _rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -133,6 +149,7 @@ def _rms_norm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # dx = (g - xhat * mean(g * xhat)) * rstd with xhat = x * rstd, g = dy * w;
     # dw = sum over rows of dy * xhat, this program's rows into its partial row.
@@ -147,14 +164,30 @@ def _rms_norm_bwd_kernel(
             w = _upcast(tl.load(w_ptr + cols, mask=col_mask, other=0.0), IS_FP64)
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float64 if IS_FP64 else tl.float32)
         tile = pid
+        x_in, dy_in, rstd_in = _load_tile(
+            x_ptr, dy_ptr, rstd_ptr, tile, n_rows, n_cols, tile_rows, cols, col_mask, ROWS
+        )
         while tile < n_tiles:
+            if PREFETCH:
+                # Issue the next tile's loads before computing this one: more bytes in flight.
+                x_next, dy_next, rstd_next = _load_tile(
+                    x_ptr,
+                    dy_ptr,
+                    rstd_ptr,
+                    tile + num_programs,
+                    n_rows,
+                    n_cols,
+                    tile_rows,
+                    cols,
+                    col_mask,
+                    ROWS,
+                )
             rows = tile * ROWS + tile_rows
-            row_mask = rows < n_rows
-            mask = row_mask[:, None] & col_mask[None, :]
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
             offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-            x = _upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), IS_FP64)
-            dy = _upcast(tl.load(dy_ptr + offs, mask=mask, other=0.0), IS_FP64)
-            rstd = _upcast(tl.load(rstd_ptr + rows, mask=row_mask, other=0.0), IS_FP64)
+            x = _upcast(x_in, IS_FP64)
+            dy = _upcast(dy_in, IS_FP64)
+            rstd = _upcast(rstd_in, IS_FP64)
             xhat = x * rstd[:, None]
             if HAS_WEIGHT:
                 g = dy * w[None, :]
@@ -167,6 +200,14 @@ def _rms_norm_bwd_kernel(
             if COMPUTE_DW:
                 dw_acc += dy * xhat
             tile += num_programs
+            if PREFETCH:
+                x_in = x_next
+                dy_in = dy_next
+                rstd_in = rstd_next
+            else:
+                x_in, dy_in, rstd_in = _load_tile(
+                    x_ptr, dy_ptr, rstd_ptr, tile, n_rows, n_cols, tile_rows, cols, col_mask, ROWS
+                )
         if COMPUTE_DW:
             tl.store(part_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
@@ -222,7 +263,7 @@ def _rms_norm_bwd_kernel(
             tile += num_programs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts"])
 def _dw_reduce_kernel(
     part_ptr,
     dw_ptr,
@@ -272,6 +313,7 @@ class BackwardConfig:
         num_warps: warps per program.
         single_pass: the whole row fits in ``block_n``; otherwise it is read in chunks.
         programs_per_sm: persistent programs per multiprocessor.
+        prefetch: (single pass) load the next tile before computing the current one.
     """
 
     block_n: int
@@ -279,6 +321,7 @@ class BackwardConfig:
     num_warps: int
     single_pass: bool
     programs_per_sm: int
+    prefetch: bool = False
 
 
 # Widest row (in elements) a program keeps in registers; wider rows loop over chunks of
@@ -316,7 +359,7 @@ def backward_config(n_cols: int, dtype: torch.dtype) -> BackwardConfig:
         return BackwardConfig(_CHUNK, 1, _warps_for(_CHUNK), False, 2)
     rows = max(1, _TILE // block_n)
     warps = _warps_for(block_n * rows)
-    return BackwardConfig(block_n, rows, warps, True, 4 if warps <= 4 else 2)
+    return BackwardConfig(block_n, rows, warps, True, 4 if warps <= 4 else 2, prefetch=True)
 
 
 @functools.lru_cache(maxsize=16)
@@ -442,6 +485,7 @@ def rms_norm_backward(
         BLOCK_N=cfg.block_n,
         ROWS=cfg.rows,
         SINGLE_PASS=cfg.single_pass,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
     )
     if dw is not None:
