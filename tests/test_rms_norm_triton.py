@@ -322,6 +322,18 @@ def test_backward_cond_checks_grad_and_rstd():
         assert not ok(x, x, [4096], torch.empty(8, 512, 1), w, [True, True])
 
 
+def test_crossover_rule(monkeypatch):
+    table = ((2048, None), (8192, 64), (16384, 1024))
+    monkeypatch.setitem(crossover.FORWARD_MIN_ROWS, "16bit", table)
+    wins = crossover.wins_forward
+    assert not wins(torch.bfloat16, 2048, 10**6)  # None: never
+    assert not wins(torch.bfloat16, 4096, 63) and wins(torch.bfloat16, 4096, 64)
+    assert wins(torch.float16, 8192, 64) and not wins(torch.float16, 8200, 1023)
+    assert wins(torch.float16, 16384, 1024) and not wins(torch.float16, 16400, 10**6)
+    assert not wins(torch.bfloat16, 4100, 10**6)  # rows not 16-byte aligned
+    assert not wins(torch.bfloat16, 1000, 10**6)  # under MIN_HIDDEN
+
+
 def test_crossover_tables_are_ordered():
     for tables in (crossover.FORWARD_MIN_ROWS, crossover.BACKWARD_MIN_ROWS):
         for table in tables.values():
