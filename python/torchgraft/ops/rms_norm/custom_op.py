@@ -19,6 +19,7 @@ from torch.library import triton_op, wrap_triton
 
 from . import triton_kernels
 from .reference import default_eps
+from .shapes import check_weight_shape, rows_and_hidden
 
 __all__ = ["rms_norm", "rms_norm_triton_bwd", "rms_norm_triton_fwd"]
 
@@ -34,24 +35,6 @@ def _traceable(kernel: Any) -> Any:
     return wrap_triton(kernel)
 
 
-def _rows_cols(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
-    n_dims = len(normalized_shape)
-    if (
-        n_dims == 0
-        or x.dim() < n_dims
-        or list(x.shape[x.dim() - n_dims :]) != list(normalized_shape)
-    ):
-        raise RuntimeError(
-            f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
-            f"[*, {', '.join(str(s) for s in normalized_shape)}], but got input of size "
-            f"{list(x.shape)}"
-        )
-    n_cols = 1
-    for s in normalized_shape:
-        n_cols *= s
-    return x.numel() // n_cols, n_cols
-
-
 def _rstd_shape(x: Tensor, normalized_shape: Sequence[int]) -> list[int]:
     n_dims = len(normalized_shape)
     return list(x.shape[: x.dim() - n_dims]) + [1] * n_dims
@@ -62,14 +45,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check_weight(x: Tensor, weight: Tensor | None, normalized_shape: Sequence[int]) -> None:
-    if weight is None:
-        return
-    if list(weight.shape) != list(normalized_shape):
-        raise RuntimeError(
-            f"Expected weight to be of same shape as normalized_shape, but got weight of "
-            f"shape {list(weight.shape)} and normalized_shape = {list(normalized_shape)}"
-        )
-    if weight.dtype != x.dtype:
+    check_weight_shape(weight, normalized_shape)
+    if weight is not None and weight.dtype != x.dtype:
         raise RuntimeError(f"weight dtype {weight.dtype} differs from input dtype {x.dtype}")
 
 
@@ -78,7 +55,7 @@ def rms_norm_triton_fwd(
     x: Tensor, normalized_shape: list[int], weight: Tensor | None, eps: float | None
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm forward: ``(y, rstd)`` with aten's ``_fused_rms_norm`` shapes and dtypes."""
-    n_rows, n_cols = _rows_cols(x, normalized_shape)
+    n_rows, n_cols = rows_and_hidden(x, normalized_shape)
     _check_weight(x, weight, normalized_shape)
     x = x.contiguous()
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -106,7 +83,7 @@ def rms_norm_triton_bwd(
     compute_dw: bool,
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm backward: ``(dx, dw)``; a skipped gradient comes back as an empty tensor."""
-    n_rows, n_cols = _rows_cols(x, normalized_shape)
+    n_rows, n_cols = rows_and_hidden(x, normalized_shape)
     compute_dw = compute_dw and weight is not None
     x = x.contiguous()
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if compute_dx else None
@@ -134,7 +111,7 @@ def rms_norm_triton_bwd(
 def _fwd_fake(
     x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None
 ) -> tuple[Tensor, Tensor]:
-    _rows_cols(x, normalized_shape)
+    rows_and_hidden(x, normalized_shape)
     _check_weight(x, weight, normalized_shape)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     return y, x.new_empty(_rstd_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype))

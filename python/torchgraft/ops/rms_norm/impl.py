@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .reference import default_eps
+from .shapes import rows_and_hidden
 
 __all__ = ["fused_rms_norm_backward_impl", "fused_rms_norm_impl"]
 
@@ -40,25 +41,6 @@ def _on_device(x: Tensor) -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
-def _split(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
-    """``(rows, hidden)`` of ``x`` normalized over ``normalized_shape``."""
-    n_dims = len(normalized_shape)
-    if (
-        n_dims == 0
-        or x.dim() < n_dims
-        or list(x.shape[x.dim() - n_dims :]) != list(normalized_shape)
-    ):
-        raise RuntimeError(
-            f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
-            f"[*, {', '.join(str(s) for s in normalized_shape)}], but got input of size "
-            f"{list(x.shape)}"
-        )
-    n_cols = 1
-    for s in normalized_shape:
-        n_cols *= s
-    return (x.numel() // n_cols if n_cols else 0), n_cols
-
-
 def fused_rms_norm_impl(
     input: Tensor,
     normalized_shape: Sequence[int],
@@ -66,7 +48,7 @@ def fused_rms_norm_impl(
     eps: float | None,
 ) -> tuple[Tensor, Tensor]:
     """``aten::_fused_rms_norm`` through the Triton forward kernel: returns ``(y, rstd)``."""
-    n_rows, n_cols = _split(input, normalized_shape)
+    n_rows, n_cols = rows_and_hidden(input, normalized_shape)
     x = input.contiguous()
     n_dims = len(normalized_shape)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -100,7 +82,7 @@ def fused_rms_norm_backward_impl(
     Returns ``(dx, dw)``: ``dx`` like ``input`` when ``output_mask[0]``, ``dw`` like
     ``weight`` when ``output_mask[1]`` and there is a weight, ``None`` otherwise.
     """
-    n_rows, n_cols = _split(input, normalized_shape)
+    n_rows, n_cols = rows_and_hidden(input, normalized_shape)
     x = input.contiguous()
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None
     dw = (

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .shapes import check_weight_shape, rows_and_hidden
+
 __all__ = [
     "default_eps",
     "rms_norm_backward_reference",
@@ -43,19 +45,9 @@ def _normalized_dims(
     x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None
 ) -> tuple[int, ...]:
     """The dims that are normalized over; raises aten's kind of error on a shape mismatch."""
-    n = len(normalized_shape)
-    if n == 0 or x.dim() < n or list(x.shape[x.dim() - n :]) != list(normalized_shape):
-        raise RuntimeError(
-            f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
-            f"[*, {', '.join(str(s) for s in normalized_shape)}], but got input of size "
-            f"{list(x.shape)}"
-        )
-    if weight is not None and list(weight.shape) != list(normalized_shape):
-        raise RuntimeError(
-            f"Expected weight to be of same shape as normalized_shape, but got weight of "
-            f"shape {list(weight.shape)} and normalized_shape = {list(normalized_shape)}"
-        )
-    return tuple(range(x.dim() - n, x.dim()))
+    rows_and_hidden(x, normalized_shape)
+    check_weight_shape(weight, normalized_shape)
+    return tuple(range(x.dim() - len(normalized_shape), x.dim()))
 
 
 def rms_norm_reference(
