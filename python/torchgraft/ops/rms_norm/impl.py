@@ -8,7 +8,6 @@ wrong result silently.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -33,14 +32,6 @@ def _triton_kernels() -> ModuleType:
     return _kernels
 
 
-def _on_device(x: Tensor) -> contextlib.AbstractContextManager[object]:
-    # Triton launches on the current device; kernels registered from Python get no device
-    # guard from the dispatcher.
-    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
-        return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
-
-
 def fused_rms_norm_impl(
     input: Tensor,
     normalized_shape: Sequence[int],
@@ -58,14 +49,13 @@ def fused_rms_norm_impl(
     if n_rows == 0 or n_cols == 0:
         return y, rstd.fill_(float("nan") if n_cols == 0 else 0.0)
     w = weight.contiguous().view(n_cols) if weight is not None else None
-    with _on_device(x):
-        _triton_kernels().rms_norm_forward(
-            x.view(n_rows, n_cols),
-            w,
-            default_eps(x.dtype) if eps is None else eps,
-            y.view(n_rows, n_cols),
-            rstd.view(n_rows),
-        )
+    _triton_kernels().rms_norm_forward(
+        x.view(n_rows, n_cols),
+        w,
+        default_eps(x.dtype) if eps is None else eps,
+        y.view(n_rows, n_cols),
+        rstd.view(n_rows),
+    )
     return y, rstd
 
 
@@ -95,13 +85,12 @@ def fused_rms_norm_backward_impl(
         return (dx.zero_() if dx is not None else None), (dw.zero_() if dw is not None else None)
     if rstd.numel() != n_rows:
         raise RuntimeError(f"rstd has {rstd.numel()} elements for {n_rows} normalized rows")
-    with _on_device(x):
-        _triton_kernels().rms_norm_backward(
-            grad_out.contiguous().view(n_rows, n_cols),
-            x.view(n_rows, n_cols),
-            rstd.contiguous().view(n_rows),
-            weight.contiguous().view(n_cols) if weight is not None else None,
-            dx.view(n_rows, n_cols) if dx is not None else None,
-            dw.view(n_cols) if dw is not None else None,
-        )
+    _triton_kernels().rms_norm_backward(
+        grad_out.contiguous().view(n_rows, n_cols),
+        x.view(n_rows, n_cols),
+        rstd.contiguous().view(n_rows),
+        weight.contiguous().view(n_cols) if weight is not None else None,
+        dx.view(n_rows, n_cols) if dx is not None else None,
+        dw.view(n_cols) if dw is not None else None,
+    )
     return dx, dw

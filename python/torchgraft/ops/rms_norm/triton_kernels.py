@@ -20,6 +20,7 @@ tests) cannot iterate ``range`` over a run-time int with numpy >= 2.3.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -381,6 +382,14 @@ def _launch_as_is(kernel: Any) -> Any:
     return kernel
 
 
+def _on_device(x: Tensor) -> contextlib.AbstractContextManager[object]:
+    # Triton launches on the current device; kernels called from Python (a graft's impl, a
+    # custom op) get no device guard from the dispatcher.
+    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
 Wrap = Callable[[Any], Any]
 
 
@@ -408,21 +417,22 @@ def rms_norm_forward(
     n_rows, n_cols = x.shape
     cfg = config or forward_config(n_cols, x.dtype)
     grid = (triton.cdiv(n_rows, cfg.rows),)
-    wrap(_rms_norm_fwd_kernel)[grid](
-        x,
-        weight if weight is not None else x,
-        y,
-        rstd,
-        n_rows,
-        n_cols,
-        eps,
-        HAS_WEIGHT=weight is not None,
-        IS_FP64=x.dtype == torch.float64,
-        BLOCK_N=cfg.block_n,
-        ROWS=cfg.rows,
-        SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
-    )
+    with _on_device(x):
+        wrap(_rms_norm_fwd_kernel)[grid](
+            x,
+            weight if weight is not None else x,
+            y,
+            rstd,
+            n_rows,
+            n_cols,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            IS_FP64=x.dtype == torch.float64,
+            BLOCK_N=cfg.block_n,
+            ROWS=cfg.rows,
+            SINGLE_PASS=cfg.single_pass,
+            num_warps=cfg.num_warps,
+        )
 
 
 def rms_norm_backward(
@@ -468,34 +478,35 @@ def rms_norm_backward(
             partials = alloc((programs, n_cols), dtype=acc_dtype, device=x.device)
         elif not cfg.single_pass:
             partials.zero_()
-    wrap(_rms_norm_bwd_kernel)[(programs,)](
-        dy,
-        x,
-        weight if weight is not None else x,
-        rstd,
-        dx if dx is not None else x,
-        partials if partials is not None else rstd,
-        n_rows,
-        n_cols,
-        programs,
-        HAS_WEIGHT=weight is not None,
-        COMPUTE_DX=dx is not None,
-        COMPUTE_DW=dw is not None,
-        IS_FP64=x.dtype == torch.float64,
-        BLOCK_N=cfg.block_n,
-        ROWS=cfg.rows,
-        SINGLE_PASS=cfg.single_pass,
-        PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps,
-    )
-    if dw is not None:
-        block_cols = 64
-        wrap(_dw_reduce_kernel)[(triton.cdiv(n_cols, block_cols),)](
-            partials,
-            dw,
-            programs,
+    with _on_device(x):
+        wrap(_rms_norm_bwd_kernel)[(programs,)](
+            dy,
+            x,
+            weight if weight is not None else x,
+            rstd,
+            dx if dx is not None else x,
+            partials if partials is not None else rstd,
+            n_rows,
             n_cols,
-            BLOCK_P=32,
-            BLOCK_N=block_cols,
-            num_warps=4,
+            programs,
+            HAS_WEIGHT=weight is not None,
+            COMPUTE_DX=dx is not None,
+            COMPUTE_DW=dw is not None,
+            IS_FP64=x.dtype == torch.float64,
+            BLOCK_N=cfg.block_n,
+            ROWS=cfg.rows,
+            SINGLE_PASS=cfg.single_pass,
+            PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps,
         )
+        if dw is not None:
+            block_cols = 64
+            wrap(_dw_reduce_kernel)[(triton.cdiv(n_cols, block_cols),)](
+                partials,
+                dw,
+                programs,
+                n_cols,
+                BLOCK_P=32,
+                BLOCK_N=block_cols,
+                num_warps=4,
+            )
