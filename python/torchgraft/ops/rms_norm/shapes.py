@@ -1,0 +1,40 @@
+"""Shape checks shared by the reference, the impls and the custom ops (aten's messages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+__all__ = ["check_weight_shape", "rows_and_hidden"]
+
+
+def rows_and_hidden(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, hidden)`` of ``x`` normalized over its trailing ``normalized_shape`` dims.
+
+    Raises aten's RuntimeError when the trailing dims of ``x`` are not ``normalized_shape``.
+    """
+    n_dims = len(normalized_shape)
+    if (
+        n_dims == 0
+        or x.dim() < n_dims
+        or list(x.shape[x.dim() - n_dims :]) != list(normalized_shape)
+    ):
+        raise RuntimeError(
+            f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
+            f"[*, {', '.join(str(s) for s in normalized_shape)}], but got input of size "
+            f"{list(x.shape)}"
+        )
+    hidden = 1
+    for s in normalized_shape:
+        hidden *= s
+    return (x.numel() // hidden if hidden else 0), hidden
+
+
+def check_weight_shape(weight: Tensor | None, normalized_shape: Sequence[int]) -> None:
+    """Raises aten's RuntimeError when ``weight`` is not shaped ``normalized_shape``."""
+    if weight is not None and list(weight.shape) != list(normalized_shape):
+        raise RuntimeError(
+            f"Expected weight to be of same shape as normalized_shape, but got weight of "
+            f"shape {list(weight.shape)} and normalized_shape = {list(normalized_shape)}"
+        )
