@@ -389,7 +389,9 @@ def test_no_memory_growth_over_many_calls_and_reenables():
 
     def rounds(n):
         for _ in range(n):
-            torchgraft.enable()
+            # The native route only: re-installing a Python-route router retains ~60 bytes a
+            # time inside torch.library itself (docs/registry.md).
+            torchgraft.enable(routes=["native"])
             for _ in range(50):
                 # eps given: the optional heap cell is exercised; weight: an optional tensor.
                 F.rms_norm(x, [64], w, 1e-5).sum().backward()

@@ -1,7 +1,7 @@
 """The Triton RMSNorm kernels on CPU tensors under TRITON_INTERPRET=1, against the float64
 reference; and the aten graft's impls, conds and registration wiring.
 
-Without a GPU this module turns on Triton's interpreter itself (before triton is imported).
+Without a GPU, tests/conftest.py turns on Triton's interpreter (before triton is imported).
 On a GPU machine the kernel tests here need TRITON_INTERPRET=1 set by the caller; without it
 they skip and tests/test_rms_norm_triton_cuda.py covers the kernels on the GPU.
 """
@@ -9,14 +9,9 @@ they skip and tests/test_rms_norm_triton_cuda.py covers the kernels on the GPU.
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchgraft.ops.rms_norm import (
@@ -98,7 +93,10 @@ def check_backward(dy, x, w, eps, dx, dw):
         assert rel_err(dx, dx_ref, scale=g * rstd_ref) < tol
     if dw is not None:
         assert not dw.isnan().any()
-        assert rel_err(dw, dw_ref) < tol
+        # dw sums dy * xhat over rows; with few rows the sum can cancel too: measure against
+        # the sum of the terms' sizes.
+        xhat = x.double() * rstd_ref.double()
+        assert rel_err(dw, dw_ref, scale=(dy.double() * xhat).abs().sum(0)) < tol
 
 
 @needs_interpreter
@@ -344,42 +342,28 @@ def test_crossover_tables_are_ordered():
 # --- registration wiring and the lazy import -----------------------------------------------
 
 
-def test_register_wires_both_ops_at_cuda(monkeypatch):
-    calls = []
-    fake_dsl = types.ModuleType("torchgraft.dsl.triton")
-    fake_dsl.register_op_override = lambda *args, **kwargs: calls.append((args, kwargs))
-    fake_registry = types.ModuleType("torchgraft.registry")
-    fake_registry.deregister_op_overrides = lambda **kwargs: calls.append(((), kwargs))
-    dsl_pkg = types.ModuleType("torchgraft.dsl")
-    dsl_pkg.triton = fake_dsl
-    import torchgraft
+def test_register_installs_both_ops_at_cuda_and_deregister_removes_only_them(clean_overrides):
+    from torchgraft import registry
 
-    monkeypatch.setitem(sys.modules, "torchgraft.dsl", dsl_pkg)
-    monkeypatch.setitem(sys.modules, "torchgraft.dsl.triton", fake_dsl)
-    monkeypatch.setitem(sys.modules, "torchgraft.registry", fake_registry)
-    monkeypatch.setattr(torchgraft, "dsl", dsl_pkg, raising=False)
-    monkeypatch.setattr(torchgraft, "registry", fake_registry, raising=False)
+    def user_cond(*args):
+        return False
 
+    def user_impl(*args):
+        raise AssertionError("never called")
+
+    registry.register_op_override("user", "aten", "_fused_rms_norm", "CUDA", user_cond, user_impl)
     registration.register()
-    assert calls == [
-        (
-            ("aten", "_fused_rms_norm", "CUDA", cond.fused_rms_norm_cond, impl.fused_rms_norm_impl),
-            {},
-        ),
-        (
-            (
-                "aten",
-                "_fused_rms_norm_backward",
-                "CUDA",
-                cond.fused_rms_norm_backward_cond,
-                impl.fused_rms_norm_backward_impl,
-            ),
-            {},
-        ),
+    registration.register()  # idempotent
+    ours = [
+        (o.op, o.dispatch_key, o.active) for o in registry.list_overrides() if o.dsl == "triton"
     ]
-    calls.clear()
+    assert ours == [
+        ("aten::_fused_rms_norm", "CUDA", True),
+        ("aten::_fused_rms_norm_backward", "CUDA", True),
+    ]
     registration.deregister()
-    assert calls == [((), {"disable_op_symbols": ["_fused_rms_norm", "_fused_rms_norm_backward"]})]
+    left = [(o.dsl, o.op, o.active) for o in registry.list_overrides()]
+    assert left == [("user", "aten::_fused_rms_norm", True)]
 
 
 def test_importing_the_package_does_not_import_triton():

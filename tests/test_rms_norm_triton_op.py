@@ -1,15 +1,10 @@
 """The Triton RMSNorm as torch.library.triton_op custom ops: values, autograd (gradcheck in
 float64), and torch.compile tracing without graph breaks. CPU tensors under TRITON_INTERPRET=1
-(turned on here when there is no GPU); see test_rms_norm_triton.py's docstring.
+(turned on by tests/conftest.py when there is no GPU); see test_rms_norm_triton.py's docstring.
 """
-
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from torchgraft.ops import rms_norm as rms_norm_pkg
 from torchgraft.ops.rms_norm import rms_norm_backward_reference, rms_norm_reference

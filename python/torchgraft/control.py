@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterable, Iterator
 
 from torchgraft import native, registry
+from torchgraft.ops import rms_norm
 
 log = logging.getLogger("torchgraft")
 
@@ -25,8 +26,9 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-ROUTES = ("native",)
-"""The routes :func:`enable` can install: ``"native"`` (Rust / CUDA C++ kernels)."""
+ROUTES = ("native", "triton")
+"""The routes :func:`enable` can install: ``"native"`` (Rust CPU and CUDA C++ kernels through the
+stable C ABI) and ``"triton"`` (the op library's Triton kernels through the registry, CUDA)."""
 
 
 def enable(routes: Iterable[str] | None = None) -> None:
@@ -36,7 +38,10 @@ def enable(routes: Iterable[str] | None = None) -> None:
     kernels wherever they apply, in forward and backward; everything else runs as before.
 
     Args:
-        routes: which routes to install (see :data:`ROUTES`); all available ones by default.
+        routes: which routes to install (see :data:`ROUTES`). By default the native route, and
+            the Triton route where the native route has no CUDA kernels (both cover the same ops
+            on CUDA; the native one launches with less host overhead). With both, the Triton
+            overrides sit on top and fall back to the native kernels outside their size gate.
 
     Idempotent: calling it again while enabled changes nothing (call :func:`disable` first to
     switch routes). ``TORCHGRAFT_DISABLE=1`` turns it into a no-op.
@@ -54,7 +59,13 @@ def enable(routes: Iterable[str] | None = None) -> None:
             return
         if "native" in wanted:
             _enable_native()
+        if "triton" in wanted and (routes is not None or not _native_covers_cuda()):
+            rms_norm.register()
         _enabled = True
+
+
+def _native_covers_cuda() -> bool:
+    return any(g.dispatch_key == "CUDA" and g.active for g in native.grafts())
 
 
 def _enable_native() -> None:
@@ -72,6 +83,7 @@ def disable() -> None:
     """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
     global _enabled
     with _lock:
+        rms_norm.deregister()
         with registry.suspend_routers():
             native.disable()
         _enabled = False

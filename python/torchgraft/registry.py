@@ -46,6 +46,7 @@ __all__ = [
     "override_stats",
     "reenable_op_overrides",
     "register_op_override",
+    "remove_override",
     "reorder_overrides",
     "reset_stats",
     "suspend_routers",
@@ -586,6 +587,27 @@ def suspend_routers() -> Iterator[None]:
             if _suspend_depth == 0:
                 for slot in list(_slots.values()):
                     _sync(slot, force=True)
+
+
+def remove_override(info: OverrideInfo) -> bool:
+    """Remove one registered override (the one ``register_op_override`` returned ``info`` for).
+
+    Unlike :func:`deregister_op_overrides`, which switches off every override a filter names
+    (and keeps doing so for later registrations), this removes exactly this override and
+    leaves no filter behind. The (op, key) gets its previous kernel back when no override is
+    left. Returns whether the override was registered.
+    """
+    with _lock:
+        slot = _slots.get((info.op_symbol, info.dispatch_key))
+        node = next((n for n in slot.nodes if n.node_id == info.node_id), None) if slot else None
+        if slot is None or node is None:
+            return False
+        slot.nodes.remove(node)
+        _sync(slot, force=True)
+        if not slot.nodes:
+            del _slots[(info.op_symbol, info.dispatch_key)]
+        log.debug("removed %s", node.stats_key)
+        return True
 
 
 def clear_overrides() -> None:

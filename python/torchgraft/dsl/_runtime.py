@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -19,8 +20,11 @@ from .._registry import env
 _MISSING: Any = object()
 
 
+@functools.cache
 def find_module(module: str) -> bool:
     """Whether ``module`` can be imported, found without importing it or its parents.
+
+    Cached for the process, like torch._native's checks: installing a DSL needs a restart.
 
     ``importlib.util.find_spec("cuda.tile")`` would import ``cuda`` first; here a dotted name
     is searched for along its parent's path (the parent's ``__path__`` if it is already
@@ -51,8 +55,12 @@ def find_module(module: str) -> bool:
     return True
 
 
+@functools.cache
 def package_version(package: str) -> Version | None:
-    """The installed version of distribution ``package`` from its metadata (no import)."""
+    """The installed version of distribution ``package`` from its metadata (no import).
+
+    Cached for the process (reading metadata scans sys.path).
+    """
     try:
         text = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
