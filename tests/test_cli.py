@@ -609,6 +609,7 @@ def test_list_includes_registry_overrides(monkeypatch, capsys):
         for o in overrides
     }
     monkeypatch.setitem(sys.modules, "torchgraft.registry", registry)
+    monkeypatch.setattr(torchgraft, "registry", registry, raising=False)
     assert cli.main(["list"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert ["aten::_fused_rms_norm", "CUDA", "triton", "active", "7", "2"] in rows

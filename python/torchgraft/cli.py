@@ -364,6 +364,7 @@ def doctor_facts() -> dict[str, Any]:
 
     import torchgraft
     from torchgraft import control
+    from torchgraft.bench.harness import torchgraft_version
     from torchgraft.bench.routes import torchgraft_route_unavailable
 
     cuda = _cuda_facts()
@@ -408,7 +409,7 @@ def doctor_facts() -> dict[str, Any]:
             "torch_native": _torch_native_facts(),
         },
         "torchgraft": {
-            "version": _version_of("torchgraft"),
+            "version": torchgraft_version(),
             "path": os.path.dirname(torchgraft.__file__),
             "enabled": torchgraft.is_enabled(),
             "routes": routes,
@@ -662,7 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(args_list)
         if args.version:
-            print(f"{PROG} {_version_of('torchgraft') or 'unknown version'}")
+            from torchgraft.bench.harness import torchgraft_version
+
+            print(f"{PROG} {torchgraft_version() or 'unknown version'}")
             return 0
         if args.command is None:
             raise CliError(f"choose a command: demo, bench, doctor or list (see '{PROG} --help')")
@@ -681,3 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (``torchgraft ... | head``): stop quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from types import ModuleType
 
 import torchgraft
 
 __all__ = ["fired", "graft_counters", "registry_module"]
 
 
-def registry_module() -> object | None:
+def registry_module() -> ModuleType | None:
     """``torchgraft.registry`` when this build has it (the Python route), else None."""
     if importlib.util.find_spec("torchgraft.registry") is None:
         return None
-    import torchgraft.registry as registry
-
-    return registry
+    return importlib.import_module("torchgraft.registry")
 
 
 def graft_counters() -> dict[str, dict[str, int]]:

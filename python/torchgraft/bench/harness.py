@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import torchgraft
+from torchgraft import native
 
 from . import rms_norm, timing
 from .counters import fired, graft_counters
@@ -27,6 +28,7 @@ from .progress import Progress
 from .routes import Route
 
 __all__ = [
+    "NOT_SELECTED",
     "OPS",
     "BenchConfig",
     "BenchError",
@@ -39,6 +41,9 @@ __all__ = [
 
 OPS: dict[str, ModuleType] = {rms_norm.OP: rms_norm}
 """Benchmarked ops by name; each module provides routes(), Problem, default_shapes(), ..."""
+
+
+NOT_SELECTED = "not selected (--routes)"
 
 
 class BenchError(Exception):
@@ -160,14 +165,24 @@ def _package_version(name: str) -> str | None:
         return None
 
 
+def torchgraft_version() -> str | None:
+    """torchgraft's version: its package metadata, else the native extension's own."""
+    version = _package_version("torchgraft")
+    if version is None and native.available():
+        from torchgraft import _native
+
+        version = getattr(_native, "__version__", None)
+    return version
+
+
 def versions() -> dict[str, str | None]:
-    """Versions of everything that shapes the numbers (from metadata: nothing is imported)."""
+    """Versions of everything that shapes the numbers (from metadata: no DSL is imported)."""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": _package_version("triton") or _package_version("pytorch-triton"),
-        "torchgraft": _package_version("torchgraft"),
+        "torchgraft": torchgraft_version(),
         "liger_kernel": _package_version("liger-kernel") or _package_version("liger_kernel"),
         "nvidia_cutlass_dsl": _package_version("nvidia-cutlass-dsl"),
         "platform": platform.platform(),
@@ -231,7 +246,7 @@ def select_routes(
             if route.name in names:
                 chosen.append(route)
             else:
-                skipped.append(Skip(route.name, "not selected (--routes)"))
+                skipped.append(Skip(route.name, NOT_SELECTED))
             continue
         reason = route.unavailable(device)
         if reason is None and quick and route.name == "compile":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .harness import BenchReport, Measurement
+from .harness import NOT_SELECTED, BenchReport, Measurement
 
 __all__ = ["format_markdown", "format_terminal"]
 
@@ -53,6 +53,8 @@ def _footer(report: BenchReport) -> list[str]:
     # One line per (route, reason), naming the shapes and modes it applies to.
     grouped: dict[tuple[str, str], list[str]] = {}
     for skip in report.skips:
+        if skip.reason == NOT_SELECTED:
+            continue  # the user left it out; the JSON still lists it
         where = " ".join(x for x in (skip.shape, skip.mode) if x)
         grouped.setdefault((skip.route, skip.reason), []).append(where)
     for (route, reason), places in grouped.items():

@@ -41,7 +41,7 @@ class _Budget:
 
 
 _FULL = _Budget(warmup_ms=25.0, rep_ms=100.0, min_samples=10, max_samples=1000)
-_QUICK = _Budget(warmup_ms=2.0, rep_ms=10.0, min_samples=3, max_samples=50)
+_QUICK = _Budget(warmup_ms=5.0, rep_ms=20.0, min_samples=5, max_samples=100)
 
 
 def _triton_available() -> bool:
@@ -112,12 +112,15 @@ def _measure_cuda_events(fn: Callable[[], object], budget: _Budget) -> Timing:
 
 
 def _measure_cpu(fn: Callable[[], object], budget: _Budget) -> Timing:
-    fn()  # the first call may pay one-time costs; estimate from the second
-    t0 = time.perf_counter()
-    fn()
-    estimate = (time.perf_counter() - t0) * 1e3
-    for _ in range(_sample_count(estimate, _Budget(0, budget.warmup_ms, 1, 100))):
+    # Warm up for the budget's time (at least three calls: first calls pay one-time costs),
+    # then size the timed loop from the fastest recent warm-up call.
+    warm: list[float] = []
+    deadline = time.perf_counter() + budget.warmup_ms * 1e-3
+    while len(warm) < 3 or (time.perf_counter() < deadline and len(warm) < budget.max_samples):
+        t0 = time.perf_counter()
         fn()
+        warm.append((time.perf_counter() - t0) * 1e3)
+    estimate = min(warm[-3:])
     times = []
     for _ in range(_sample_count(estimate, budget)):
         t0 = time.perf_counter()
