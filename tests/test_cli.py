@@ -649,3 +649,43 @@ def test_progress_bar_draws_only_when_enabled():
     assert hidden.getvalue() == ""
     assert "] 1/4" in shown.getvalue() and "] 3/4" in shown.getvalue()
     assert "#" * 22 in shown.getvalue()  # 3/4 of 30 cells
+
+
+def test_tables_mark_a_graft_that_did_not_run():
+    from torchgraft.bench.harness import BenchReport, Measurement
+    from torchgraft.bench.table import format_markdown
+
+    report = BenchReport(
+        op="rms_norm",
+        device={"type": "cuda", "name": "Some GPU"},
+        dtype="bfloat16",
+        modes=["fwd"],
+        shapes=["4x8"],
+        routes=[{"name": n, "summary": "", "skipped": None} for n in ("aten", "torchgraft-x")],
+        versions={},
+        timing="",
+        quick=False,
+        created="",
+    )
+    declined = {"x/aten::_fused_rms_norm/CUDA": {"calls": 0, "fallbacks": 1}}
+    report.measurements = [
+        Measurement("aten", "fwd", "4x8", 100, 0.5, 0.2, None, 0.0, None),
+        Measurement("torchgraft-x", "fwd", "4x8", 100, 0.25, 0.4, None, 0.0, declined),
+    ]
+    terminal = format_terminal(report)
+    assert re.search(r"^torchgraft-x\s+0\.250 2\.00x\*$", terminal, re.MULTILINE)
+    assert "* the route's graft did not run" in terminal
+    markdown = format_markdown(report)
+    assert "| 4x8 | 0.500 (1.00x) | 0.250 (2.00x)\\* | - |" in markdown
+    assert "- \\* the route's graft did not run" in markdown
+
+
+def test_native_route_needs_a_graft_for_the_device():
+    has_cuda_graft = any(g.dispatch_key == "CUDA" for g in native.grafts())
+    reason = bench_routes.torchgraft_route_unavailable("native", torch.device("cuda"))
+    if not native.available():
+        assert reason == "the extension torchgraft._native is not built"
+    elif has_cuda_graft:
+        assert reason is None
+    else:
+        assert reason == "this build of torchgraft._native has no graft for CUDA"

@@ -29,13 +29,16 @@ def _speedup(report: BenchReport, m: Measurement) -> str:
     return f"{base.median_ms / m.median_ms:.2f}x" if base is not None else ""
 
 
-def _cell(report: BenchReport, route: str, mode: str, shape: str) -> str:
+def _cell(report: BenchReport, route: str, mode: str, shape: str, markdown: bool = False) -> str:
     m = report.lookup(route, mode, shape)
     if m is None:
         reason = report.skip_reason(route, mode, shape) or ""
         return "wrong" if reason.startswith("wrong result") else ("error" if reason else "-")
-    mark = NOT_GRAFTED if m.grafted is False else ""
-    return f"{_ms(m.median_ms)} {_speedup(report, m)}{mark}".strip()
+    mark = "" if m.grafted is not False else ("\\" + NOT_GRAFTED if markdown else NOT_GRAFTED)
+    speedup = _speedup(report, m)
+    if markdown and speedup:
+        speedup = f"({speedup})"
+    return f"{_ms(m.median_ms)} {speedup}{mark}".strip()
 
 
 def _mode_title(report: BenchReport, mode: str) -> str:
@@ -105,12 +108,13 @@ def format_markdown(report: BenchReport) -> str:
         out.append("| shape | " + " | ".join(routes) + " | copy GB/s |")
         out.append("|---" * (len(routes) + 2) + "|")
         for shape in report.shapes:
-            cells = [_cell(report, r, mode, shape) for r in routes]
+            cells = [_cell(report, r, mode, shape, markdown=True) for r in routes]
             copy = next((f"{c.gbps:.3g}" for c in report.copies if c.shape == shape), "-")
             out.append(f"| {shape} | " + " | ".join(cells) + f" | {copy} |")
         out.append("")
     footer = _footer(report)
     if footer:
-        out.extend(f"- {line}" for line in footer)
+        escaped = "\\" + NOTE_NOT_GRAFTED  # a bare * would start emphasis
+        out.extend(f"- {escaped if line == NOTE_NOT_GRAFTED else line}" for line in footer)
         out.append("")
     return "\n".join(out)
