@@ -363,6 +363,15 @@ def test_absent_cuda_device_exits_2_subprocess(command, device):
     assert result.stdout == ""
 
 
+def test_unwritable_out_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code = cli.main(
+        ["bench", "rms_norm", "--device", "cpu", "--quick", "--out", str(blocker / "x")]
+    )
+    assert_usage_error(code, capsys.readouterr().err, "cannot write results to --out")
+
+
 def test_unknown_op_subprocess():
     result = run_cli("bench", "layer_norm", "--device", "cpu")
     assert_usage_error(result.returncode, result.stderr, "unknown op 'layer_norm'")

@@ -179,6 +179,11 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         routes=_parse_list(args.routes),
         quick=args.quick,
     )
+    out_dir = Path(args.out)
+    try:  # before the sweep, so a bad --out costs nothing
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CliError(f"cannot write results to --out {args.out!r}: {error.strerror}") from None
     show_progress = args.progress or sys.stderr.isatty()
     try:
         report = harness.run(config, progress=show_progress, command=harness.command_line(argv))
@@ -186,7 +191,7 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise CliError(str(error)) from None
     width = shutil.get_terminal_size((120, 24)).columns
     print(table.format_terminal(report, width=width), end="")
-    written = results.write_results(report, Path(args.out), plot=not args.no_plot)
+    written = results.write_results(report, out_dir, plot=not args.no_plot)
     print()
     print(f"wrote {written.json}")
     print(f"wrote {written.markdown}")
