@@ -1,0 +1,49 @@
+"""Graft counters from every route, as one dict: which grafts ran, and how often."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+import torchgraft
+
+__all__ = ["fired", "graft_counters", "registry_module"]
+
+
+def registry_module() -> ModuleType | None:
+    """``torchgraft.registry`` when this build has it (the Python route), else None."""
+    if importlib.util.find_spec("torchgraft.registry") is None:
+        return None
+    return importlib.import_module("torchgraft.registry")
+
+
+def graft_counters() -> dict[str, dict[str, int]]:
+    """``{"<route>/<op>/<dispatch key>": {"calls": n, "fallbacks": m}}`` for every graft.
+
+    Keys start with the route or DSL name (``"native/..."``, ``"triton/..."``). Combines
+    :func:`torchgraft.stats` with the registry's own counters when the registry exists (the
+    same key is counted once).
+    """
+    counters = {key: dict(value) for key, value in torchgraft.stats().items()}
+    registry = registry_module()
+    override_stats = getattr(registry, "override_stats", None)
+    if override_stats is not None:
+        for key, value in override_stats().items():
+            counters.setdefault(key, dict(value))
+    return counters
+
+
+def fired(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], prefix: str = ""
+) -> dict[str, dict[str, int]]:
+    """Counters that grew from ``before`` to ``after`` (keys starting with ``prefix``): deltas."""
+    deltas: dict[str, dict[str, int]] = {}
+    for key, value in after.items():
+        if not key.startswith(prefix):
+            continue
+        old = before.get(key, {})
+        delta = {name: count - old.get(name, 0) for name, count in value.items()}
+        if any(delta.values()):
+            deltas[key] = delta
+    return deltas

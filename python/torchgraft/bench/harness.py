@@ -1,0 +1,445 @@
+"""Runs a benchmark sweep: every route of an op, on every shape, checked, then timed.
+
+For each shape the harness makes random inputs, computes the float64 reference, times a
+device copy of the input (the bandwidth ceiling), then for each route and mode: builds the
+route's function under its dispatcher state, runs it once and compares every result with the
+reference (a wrong route is reported and not timed), notes which grafts ran, and times it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import torchgraft
+from torchgraft import native
+
+from . import rms_norm, timing
+from .counters import fired, graft_counters
+from .progress import Progress
+from .routes import Route
+
+__all__ = [
+    "NOT_SELECTED",
+    "OPS",
+    "BenchConfig",
+    "BenchError",
+    "BenchReport",
+    "Measurement",
+    "Skip",
+    "run",
+    "select_routes",
+]
+
+OPS: dict[str, ModuleType] = {rms_norm.OP: rms_norm}
+"""Benchmarked ops by name; each module provides routes(), Problem, default_shapes(), ..."""
+
+
+NOT_SELECTED = "not selected (--routes)"
+
+
+class BenchError(Exception):
+    """A benchmark request that cannot be run as asked (the message says why)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run: one op, device and dtype; shapes, modes and routes (None: all that fit)."""
+
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    shapes: Sequence[tuple[int, ...]]
+    modes: Sequence[str]
+    routes: Sequence[str] | None = None
+    quick: bool = False
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed (route, mode, shape)."""
+
+    route: str
+    mode: str
+    shape: str
+    bytes: int
+    """Bytes an ideal kernel moves (the op's model; the same for every route)."""
+    median_ms: float
+    gbps: float
+    """``bytes`` over the median time, in GB/s (1e9 bytes per second)."""
+    samples: int | None
+    rel_err: float
+    """Largest ``||out - ref|| / ||ref||`` over the results, against the float64 reference."""
+    grafts: dict[str, dict[str, int]] | None
+    """Graft counters that grew during the checked run; None for routes without grafts."""
+
+    @property
+    def grafted(self) -> bool | None:
+        """Whether one of the route's grafts ran (None for routes without grafts)."""
+        if self.grafts is None:
+            return None
+        return any(c.get("calls", 0) > 0 for c in self.grafts.values())
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A route, or one (route, mode, shape), that was not timed, and why."""
+
+    route: str
+    reason: str
+    mode: str | None = None
+    shape: str | None = None
+
+
+@dataclass
+class BenchReport:
+    """Everything a run measured, plus what is needed to reproduce and read it."""
+
+    op: str
+    device: dict[str, Any]
+    dtype: str
+    modes: list[str]
+    shapes: list[str]
+    routes: list[dict[str, str | None]]
+    """Every route of the op: name, summary, and ``skipped`` reason (None when it ran)."""
+    versions: dict[str, str | None]
+    timing: str
+    quick: bool
+    created: str
+    command: str = ""
+    copies: list[Measurement] = field(default_factory=list)
+    """``x.clone()`` per shape (route ``"copy"``): the device's copy bandwidth."""
+    measurements: list[Measurement] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+
+    def timed_routes(self) -> list[str]:
+        """Routes with at least one measurement, in route order."""
+        timed = {m.route for m in self.measurements}
+        return [r["name"] for r in self.routes if r["name"] in timed]
+
+    def tried_routes(self) -> list[str]:
+        """Routes that ran on at least one shape (timed, wrong or failed), in route order."""
+        tried = {m.route for m in self.measurements}
+        tried |= {s.route for s in self.skips if s.shape is not None}
+        return [r["name"] for r in self.routes if r["name"] in tried]
+
+    def lookup(self, route: str, mode: str, shape: str) -> Measurement | None:
+        """The measurement of (route, mode, shape), if it was timed."""
+        for m in self.measurements:
+            if (m.route, m.mode, m.shape) == (route, mode, shape):
+                return m
+        return None
+
+    def skip_reason(self, route: str, mode: str, shape: str) -> str | None:
+        """Why (route, mode, shape) was not timed, if it was skipped."""
+        for s in self.skips:
+            if s.route == route and s.mode in (None, mode) and s.shape in (None, shape):
+                return s.reason
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (see docs/cli.md for the fields)."""
+        data = asdict(self)
+        for key in ("copies", "measurements"):
+            for entry, m in zip(data[key], getattr(self, key), strict=True):
+                entry["grafted"] = m.grafted
+        return data
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torchgraft_version() -> str | None:
+    """torchgraft's version: its package metadata, else the native extension's own."""
+    version = _package_version("torchgraft")
+    if version is None and native.available():
+        from torchgraft import _native
+
+        version = getattr(_native, "__version__", None)
+    return version
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of everything that shapes the numbers (from metadata: no DSL is imported)."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _package_version("triton") or _package_version("pytorch-triton"),
+        "torchgraft": torchgraft_version(),
+        "liger_kernel": _package_version("liger-kernel") or _package_version("liger_kernel"),
+        "nvidia_cutlass_dsl": _package_version("nvidia-cutlass-dsl"),
+        "platform": platform.platform(),
+    }
+
+
+def describe_device(device: torch.device) -> dict[str, Any]:
+    """Name and properties of ``device`` for the record."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return {
+            "type": "cuda",
+            "index": index,
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+        }
+    return {
+        "type": device.type,
+        "name": _cpu_name(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def select_routes(
+    op: ModuleType, device: torch.device, names: Sequence[str] | None, quick: bool
+) -> tuple[list[Route], list[Skip]]:
+    """The routes to run and those left out, with reasons.
+
+    Routes named explicitly must exist and be able to run here (else :class:`BenchError`);
+    without names, every route that can run is taken, except torch.compile under ``quick``.
+    """
+    all_routes = {r.name: r for r in op.routes()}
+    if names is not None:
+        unknown = [n for n in names if n not in all_routes]
+        if unknown:
+            raise BenchError(
+                f"unknown route {unknown[0]!r} for {op.OP}; known: {', '.join(all_routes)}"
+            )
+        for name in names:
+            reason = all_routes[name].unavailable(device)
+            if reason is not None:
+                raise BenchError(f"route {name!r} cannot run on {device}: {reason}")
+    chosen: list[Route] = []
+    skipped: list[Skip] = []
+    for route in all_routes.values():
+        if names is not None:
+            if route.name in names:
+                chosen.append(route)
+            else:
+                skipped.append(Skip(route.name, NOT_SELECTED))
+            continue
+        reason = route.unavailable(device)
+        if reason is None and quick and route.name == "compile":
+            reason = "--quick leaves torch.compile out (name it in --routes to include it)"
+        if reason is None:
+            chosen.append(route)
+        else:
+            skipped.append(Skip(route.name, reason))
+    return chosen, skipped
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.detach().double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(config: BenchConfig, *, progress: bool = False, command: str = "") -> BenchReport:
+    """Runs the sweep described by ``config`` and returns what it measured.
+
+    Raises :class:`BenchError` for a request that cannot run (unknown op or route, a named
+    route that is unavailable here). Failures of single routes are recorded as skips.
+    """
+    op = OPS.get(config.op)
+    if op is None:
+        raise BenchError(f"unknown op {config.op!r}; known: {', '.join(OPS)}")
+    device = config.device
+    chosen, skips = select_routes(op, device, config.routes, config.quick)
+    report = BenchReport(
+        op=config.op,
+        device=describe_device(device),
+        dtype=_dtype_name(config.dtype),
+        modes=list(config.modes),
+        shapes=["x".join(map(str, s)) for s in config.shapes],
+        routes=[],
+        versions=versions(),
+        timing=timing.method_name(device),
+        quick=config.quick,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=command,
+        skips=skips,
+    )
+    tolerance = op.TOLERANCE[config.dtype]
+    bar = Progress(len(config.shapes) * len(chosen) * len(config.modes), enabled=progress)
+    was_enabled = torchgraft.is_enabled()
+    try:
+        for shape in config.shapes:
+            problem = op.Problem(tuple(shape), config.dtype, device)
+            _run_shape(op, problem, config, chosen, tolerance, report, bar)
+    finally:
+        bar.close()
+        torchgraft.disable()
+        if was_enabled:
+            torchgraft.enable()
+    skipped = {s.route: s.reason for s in report.skips if s.mode is None and s.shape is None}
+    report.routes = [
+        {"name": r.name, "summary": r.summary, "skipped": skipped.get(r.name)} for r in op.routes()
+    ]
+    return report
+
+
+def _run_shape(
+    op: ModuleType,
+    problem: Any,
+    config: BenchConfig,
+    chosen: list[Route],
+    tolerance: float,
+    report: BenchReport,
+    bar: Progress,
+) -> None:
+    device, label = problem.device, problem.label
+    bar.show(f"{label}: inputs and float64 reference")
+    inputs = op.make_inputs(problem)
+    references = {mode: op.reference(inputs, mode) for mode in config.modes}
+    copy_bytes = 2 * inputs.x.numel() * inputs.x.element_size()
+    copy = timing.measure(inputs.x.clone, device, quick=config.quick)
+    report.copies.append(_measurement("copy", "copy", label, copy_bytes, copy, 0.0, None))
+    for route in chosen:
+        try:
+            with route.dispatch():
+                _run_route(op, route, problem, inputs, references, config, tolerance, report, bar)
+        except Exception as error:  # entering or leaving the route's dispatcher state failed
+            _synchronize_quietly(device)
+            report.skips.append(Skip(route.name, _one_line(error), shape=label))
+    del inputs, references
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _run_route(
+    op: ModuleType,
+    route: Route,
+    problem: Any,
+    inputs: Any,
+    references: dict[str, list[torch.Tensor]],
+    config: BenchConfig,
+    tolerance: float,
+    report: BenchReport,
+    bar: Progress,
+) -> None:
+    label = problem.label
+    try:
+        fn = route.build(problem)
+    except Exception as error:
+        report.skips.append(Skip(route.name, _one_line(error), shape=label))
+        bar.advance(steps=len(config.modes))
+        return
+    for mode in config.modes:
+        bar.show(f"{label} {route.name} {mode}")
+        try:
+            entry = _check_and_time(
+                op, route, fn, inputs, references[mode], problem, mode, tolerance, config
+            )
+        except Exception as error:  # one failing route must not end the sweep: record it
+            _synchronize_quietly(problem.device)
+            entry = Skip(route.name, _one_line(error), mode=mode, shape=label)
+        if isinstance(entry, Skip):
+            report.skips.append(entry)
+        else:
+            report.measurements.append(entry)
+        bar.advance()
+
+
+def _synchronize_quietly(device: torch.device) -> None:
+    try:
+        _synchronize(device)
+    except Exception:  # the error that brought us here is already being reported
+        pass
+
+
+def _check_and_time(
+    op: ModuleType,
+    route: Route,
+    fn: Any,
+    inputs: Any,
+    reference: list[torch.Tensor],
+    problem: Any,
+    mode: str,
+    tolerance: float,
+    config: BenchConfig,
+) -> Measurement | Skip:
+    before = graft_counters() if route.graft_prefix is not None else {}
+    outputs = op.run_once(fn, inputs, mode)
+    _synchronize(problem.device)
+    grafts = None
+    if route.graft_prefix is not None:
+        grafts = fired(before, graft_counters(), route.graft_prefix)
+    errors = [_rel_err(out, ref) for out, ref in zip(outputs, reference, strict=True)]
+    worst = max(errors)
+    if not worst <= tolerance:  # also catches NaN
+        return Skip(
+            route.name,
+            f"wrong result: relative error {worst:.2e} > {tolerance:.0e} vs float64",
+            mode=mode,
+            shape=problem.label,
+        )
+    del outputs
+    result = timing.measure(op.timed_call(fn, inputs, mode), problem.device, quick=config.quick)
+    moved = op.bytes_moved(problem, mode)
+    return _measurement(route.name, mode, problem.label, moved, result, worst, grafts)
+
+
+def _measurement(
+    route: str,
+    mode: str,
+    shape: str,
+    moved: int,
+    result: timing.Timing,
+    rel_err: float,
+    grafts: dict[str, dict[str, int]] | None,
+) -> Measurement:
+    return Measurement(
+        route=route,
+        mode=mode,
+        shape=shape,
+        bytes=moved,
+        median_ms=result.median_ms,
+        gbps=moved / (result.median_ms * 1e-3) / 1e9,
+        samples=result.samples,
+        rel_err=rel_err,
+        grafts=grafts,
+    )
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """How this run was started, for the record."""
+    return " ".join(["torchgraft", *argv]) if argv else " ".join(sys.argv)

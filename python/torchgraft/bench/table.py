@@ -1,0 +1,120 @@
+"""A benchmark report as text: a terminal table per mode, and the same as Markdown."""
+
+from __future__ import annotations
+
+from .harness import NOT_SELECTED, BenchReport, Measurement
+
+__all__ = ["format_markdown", "format_terminal"]
+
+BASELINE = "aten"
+NOT_GRAFTED = "*"
+NOTE_NOT_GRAFTED = (
+    f"{NOT_GRAFTED} the route's graft did not run for this shape (its condition declined): "
+    "the kernel below it ran."
+)
+
+
+def _ms(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def _speedup(report: BenchReport, m: Measurement) -> str:
+    base = report.lookup(BASELINE, m.mode, m.shape)
+    return f"{base.median_ms / m.median_ms:.2f}x" if base is not None else ""
+
+
+def _cell(report: BenchReport, route: str, mode: str, shape: str, markdown: bool = False) -> str:
+    m = report.lookup(route, mode, shape)
+    if m is None:
+        reason = report.skip_reason(route, mode, shape) or ""
+        return "wrong" if reason.startswith("wrong result") else ("error" if reason else "-")
+    mark = "" if m.grafted is not False else ("\\" + NOT_GRAFTED if markdown else NOT_GRAFTED)
+    speedup = _speedup(report, m)
+    if markdown and speedup:
+        speedup = f"({speedup})"
+    return f"{_ms(m.median_ms)} {speedup}{mark}".strip()
+
+
+def _mode_title(report: BenchReport, mode: str) -> str:
+    what = "forward" if mode == "fwd" else "forward + backward"
+    return (
+        f"{report.op} {what}, {report.dtype}, {report.device['name']}: "
+        f"median ms and speedup vs {BASELINE}"
+    )
+
+
+def _footer(report: BenchReport) -> list[str]:
+    lines = []
+    if any(m.grafted is False for m in report.measurements):
+        lines.append(NOTE_NOT_GRAFTED)
+    # One line per (route, reason), naming the shapes and modes it applies to.
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for skip in report.skips:
+        if skip.reason == NOT_SELECTED:
+            continue  # the user left it out; the JSON still lists it
+        where = " ".join(x for x in (skip.shape, skip.mode) if x)
+        grouped.setdefault((skip.route, skip.reason), []).append(where)
+    for (route, reason), places in grouped.items():
+        named = ", ".join(p for p in places if p)
+        lines.append(f"{route} ({named}): {reason}" if named else f"{route}: {reason}")
+    return lines
+
+
+def format_terminal(report: BenchReport, width: int = 120) -> str:
+    """Route rows x shape columns per mode, split into column groups that fit ``width``."""
+    routes = [*report.tried_routes(), "copy"]
+    first = max(len(r) for r in routes) + 2
+    out: list[str] = []
+    for mode in report.modes:
+        out.append(_mode_title(report, mode))
+        cells = {
+            (r, s): _copy_cell(report, s) if r == "copy" else _cell(report, r, mode, s)
+            for r in routes
+            for s in report.shapes
+        }
+        col = max([len(s) for s in report.shapes] + [len(c) for c in cells.values()]) + 2
+        per_group = max(1, (width - first) // col)
+        for start in range(0, len(report.shapes), per_group):
+            shapes = report.shapes[start : start + per_group]
+            out.append("".ljust(first) + "".join(s.rjust(col) for s in shapes))
+            for r in routes:
+                out.append(r.ljust(first) + "".join(cells[r, s].rjust(col) for s in shapes))
+            out.append("")
+    out.append("copy: x.clone(), ms and GB/s (the bandwidth ceiling).")
+    out.extend(_footer(report))
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _copy_cell(report: BenchReport, shape: str) -> str:
+    for c in report.copies:
+        if c.shape == shape:
+            return f"{_ms(c.median_ms)} {c.gbps:.3g}GB/s"
+    return "-"
+
+
+def format_markdown(report: BenchReport) -> str:
+    """Shape rows x route columns per mode (fits a README), then the skipped routes."""
+    routes = report.tried_routes()
+    out: list[str] = []
+    for mode in report.modes:
+        out.append(f"**{_mode_title(report, mode)}**")
+        out.append("")
+        out.append("| shape | " + " | ".join(routes) + " | copy GB/s |")
+        out.append("|---" * (len(routes) + 2) + "|")
+        for shape in report.shapes:
+            cells = [_cell(report, r, mode, shape, markdown=True) for r in routes]
+            copy = next((f"{c.gbps:.3g}" for c in report.copies if c.shape == shape), "-")
+            out.append(f"| {shape} | " + " | ".join(cells) + f" | {copy} |")
+        out.append("")
+    footer = _footer(report)
+    if footer:
+        escaped = "\\" + NOTE_NOT_GRAFTED  # a bare * would start emphasis
+        out.extend(f"- {escaped if line == NOTE_NOT_GRAFTED else line}" for line in footer)
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,129 @@
+"""Median run times of a callable: CUDA events on a GPU, ``time.perf_counter`` on the CPU.
+
+On CUDA the L2 cache is flushed before every timed call, so a kernel that reads a tensor
+smaller than L2 is timed reading it from memory, as it would inside a model.
+``triton.testing.do_bench`` does exactly this and is used when triton is installed; the
+event-based loop below is the same method without triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Timing", "measure", "method_name"]
+
+# Bytes written before each timed call on CUDA to evict the previous call's data from L2
+# (H100: 50 MiB of L2; 256 MiB covers every current GPU).
+_L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The median of several timed calls."""
+
+    median_ms: float
+    samples: int | None
+    """Timed calls; None where ``do_bench`` chose the count itself."""
+
+
+@dataclass(frozen=True)
+class _Budget:
+    warmup_ms: float
+    rep_ms: float
+    min_samples: int
+    max_samples: int
+
+
+_FULL = _Budget(warmup_ms=25.0, rep_ms=100.0, min_samples=10, max_samples=1000)
+_QUICK = _Budget(warmup_ms=5.0, rep_ms=20.0, min_samples=5, max_samples=100)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def method_name(device: torch.device) -> str:
+    """How :func:`measure` times on ``device``, for the record."""
+    if device.type == "cuda":
+        if _triton_available():
+            return "triton.testing.do_bench (CUDA events, L2 flushed per call), median"
+        return "CUDA events (L2 flushed per call), median"
+    return "time.perf_counter per call, median"
+
+
+def measure(fn: Callable[[], object], device: torch.device, *, quick: bool = False) -> Timing:
+    """Times ``fn()`` on ``device`` after a warm-up and returns the median over the samples.
+
+    ``quick`` spends about a tenth of the time (for smoke runs; medians are noisier).
+    """
+    budget = _QUICK if quick else _FULL
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if _triton_available():
+                return _measure_do_bench(fn, budget)
+            return _measure_cuda_events(fn, budget)
+    return _measure_cpu(fn, budget)
+
+
+def _sample_count(estimate_ms: float, budget: _Budget) -> int:
+    wanted = int(budget.rep_ms / max(estimate_ms, 1e-6))
+    return max(budget.min_samples, min(budget.max_samples, wanted))
+
+
+def _measure_do_bench(fn: Callable[[], object], budget: _Budget) -> Timing:
+    from triton.testing import do_bench
+
+    median = do_bench(fn, warmup=budget.warmup_ms, rep=budget.rep_ms, return_mode="median")
+    return Timing(median_ms=float(median), samples=None)
+
+
+def _measure_cuda_events(fn: Callable[[], object], budget: _Budget) -> Timing:
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    # Estimate one call's time (with the flush, as it will be timed) to size the loops.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end) / 5
+    for _ in range(_sample_count(estimate, _Budget(0, budget.warmup_ms, 1, 1000))):
+        fn()
+    n = _sample_count(estimate, budget)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    return Timing(median_ms=statistics.median(times), samples=n)
+
+
+def _measure_cpu(fn: Callable[[], object], budget: _Budget) -> Timing:
+    # Warm up for the budget's time (at least three calls: first calls pay one-time costs),
+    # then size the timed loop from the fastest recent warm-up call.
+    warm: list[float] = []
+    deadline = time.perf_counter() + budget.warmup_ms * 1e-3
+    while len(warm) < 3 or (time.perf_counter() < deadline and len(warm) < budget.max_samples):
+        t0 = time.perf_counter()
+        fn()
+        warm.append((time.perf_counter() - t0) * 1e3)
+    estimate = min(warm[-3:])
+    times = []
+    for _ in range(_sample_count(estimate, budget)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(median_ms=statistics.median(times), samples=len(times))
