@@ -17,7 +17,7 @@ mod float;
 mod isa;
 mod parallel;
 pub mod rms_norm;
-pub mod rows;
+mod rows;
 mod simd;
 
 pub use float::{Acc, Float};

@@ -1,7 +1,12 @@
 //! Row kernels written once against [`Simd`]/[`Lanes`], compiled per token.
 //!
-//! Every function here is `#[inline(always)]`: each is meant to be inlined into a token's entry
-//! point (for x86, a `#[target_feature]` function), never to be called on its own.
+//! Every function here is `#[inline(always)]`, and none takes a closure: each must be inlined
+//! into a token's entry point (for x86, a `#[target_feature]` function), or its intrinsics would
+//! be calls.
+//!
+//! Each row is read twice: a first pass reduces it (from memory), a second pass writes the
+//! outputs (from cache). During the second pass the next row is prefetched, so that memory keeps
+//! streaming while the core computes.
 
 use crate::float::{Acc, Float};
 use crate::simd::{load_exact_part, load_part, store_part, Lanes, Simd};
@@ -40,6 +45,14 @@ pub(crate) struct BackwardRows<'a, T: Float> {
     pub dw: Option<&'a mut [T::Acc]>,
 }
 
+/// Row `i` of the `cols`-long rows of `data`, and the row to prefetch while working on it: the
+/// next one, or row `i` itself for the last row.
+#[inline(always)]
+fn row_and_next<T>(data: &[T], cols: usize, i: usize) -> (&[T], &[T]) {
+    let row = &data[i * cols..(i + 1) * cols];
+    (row, data.get((i + 1) * cols..(i + 2) * cols).unwrap_or(row))
+}
+
 /// `y = (x * rstd) * weight` per row, with `rstd = 1 / sqrt(mean(x^2) + eps)`.
 #[inline(always)]
 pub(crate) fn forward<S, T>(s: S, rows: ForwardRows<'_, T>)
@@ -57,14 +70,12 @@ where
         eps,
     } = rows;
     let n = T::Acc::from_usize(cols);
-    let row_pairs = x.chunks_exact(cols).zip(y.chunks_exact_mut(cols));
-    for (i, ((x_row, y), rstd)) in row_pairs.zip(rstd.iter_mut()).enumerate() {
-        let r = T::Acc::ONE / (sum_squares(s, x_row) / n + eps).sqrt();
+    for (i, (y, rstd)) in y.chunks_exact_mut(cols).zip(rstd).enumerate() {
+        let (x, next) = row_and_next(x, cols, i);
+        let r = T::Acc::ONE / (sum_squares(s, x) / n + eps).sqrt();
         *rstd = r;
-        let next = x.get((i + 1) * cols..).unwrap_or(&[]);
-        scale(s, x_row, r, weight, y, next);
+        scale(s, x, r, weight, y, next);
     }
-    s.fence_streams();
 }
 
 /// The sum of `x^2` in `T::Acc`, over four vector accumulators.
@@ -97,7 +108,7 @@ where
     s.sum(s.add(s.add(acc[0], acc[1]), s.add(acc[2], acc[3])))
 }
 
-/// `y = (x * r) * w` for one row, prefetching the row after (`next`, empty for none).
+/// `y = (x * r) * w` for one row, prefetching `next` (as long as `x`).
 #[inline(always)]
 fn scale<S, T>(s: S, x: &[T], r: T::Acc, w: &[T::Acc], y: &mut [T], next: &[T])
 where
@@ -106,22 +117,16 @@ where
     T::Acc: Lanes<S>,
 {
     let lanes = S::LANES;
-    let full = x.len() / lanes * lanes;
     let r = s.splat(r);
-    let (x, x_tail) = x.split_at(full);
-    let (w, w_tail) = w.split_at(full);
-    let (y, y_tail) = y.split_at_mut(full);
-    let chunks = x.chunks_exact(lanes).zip(w.chunks_exact(lanes));
-    for (i, ((x, w), y)) in chunks.zip(y.chunks_exact_mut(lanes)).enumerate() {
-        if exp(0) {
-            s.prefetch(next.get(i * lanes..).unwrap_or(&[]));
-        }
+    let (x, x_tail) = x.split_at(x.len() / lanes * lanes);
+    let (w, w_tail) = w.split_at(x.len());
+    let (y, y_tail) = y.split_at_mut(x.len());
+    let inputs = x.chunks_exact(lanes).zip(w.chunks_exact(lanes));
+    let outputs = y.chunks_exact_mut(lanes).zip(next.chunks_exact(lanes));
+    for ((x, w), (y, next)) in inputs.zip(outputs) {
+        s.prefetch(next);
         let v = s.mul(s.mul(T::load(s, x), r), T::Acc::load(s, w));
-        if exp(1) {
-            T::store_stream(s, v, y);
-        } else {
-            T::store(s, v, y);
-        }
+        T::store(s, v, y);
     }
     if !x_tail.is_empty() {
         let v = s.mul(s.mul(load_part(s, x_tail), r), load_part(s, w_tail));
@@ -147,105 +152,214 @@ where
         dx,
         dw,
     } = rows;
-    let inputs = dy.chunks_exact(cols).zip(x.chunks_exact(cols)).zip(rstd);
+    let n = T::Acc::from_usize(cols);
     match (dx, dw) {
-        (Some(dx), Some(dw)) => {
-            for (((dy, x), &r), dx) in inputs.zip(dx.chunks_exact_mut(cols)) {
-                backward_row::<S, T, true, true>(s, dy, x, r, weight, dx, dw);
-            }
-        }
-        (Some(dx), None) => {
-            for (((dy, x), &r), dx) in inputs.zip(dx.chunks_exact_mut(cols)) {
-                backward_row::<S, T, true, false>(s, dy, x, r, weight, dx, &mut []);
+        (Some(dx), dw) => {
+            let mut dw = dw;
+            for (i, (dx, &r)) in dx.chunks_exact_mut(cols).zip(rstd).enumerate() {
+                let (dy, next_dy) = row_and_next(dy, cols, i);
+                let (x, next_x) = row_and_next(x, cols, i);
+                let mean = match dw.as_deref_mut() {
+                    Some(dw) => dot_and_dw::<S, T, true>(s, dy, x, r, weight, dw),
+                    None => dot_and_dw::<S, T, false>(s, dy, x, r, weight, &mut []),
+                } / n;
+                input_grad(s, dy, x, r, weight, mean, dx, (next_dy, next_x));
             }
         }
         (None, Some(dw)) => {
-            for ((dy, x), &r) in inputs {
-                backward_row::<S, T, false, true>(s, dy, x, r, weight, &mut [], dw);
+            for (i, &r) in rstd.iter().enumerate() {
+                let x = &x[i * cols..(i + 1) * cols];
+                weight_grad(s, &dy[i * cols..(i + 1) * cols], x, r, dw);
             }
         }
         (None, None) => {}
     }
 }
 
-/// One row of [`backward`]; `DX`/`DW` select the outputs (`dx`/`dw` are empty when not).
+/// Backward pass 1 over one row: returns `sum(g * xhat)`, and adds `dy * xhat` to `dw` if `DW`
+/// (`dw` is empty otherwise).
 #[inline(always)]
-fn backward_row<S, T, const DX: bool, const DW: bool>(
+fn dot_and_dw<S, T, const DW: bool>(
     s: S,
     dy: &[T],
     x: &[T],
     r: T::Acc,
     w: &[T::Acc],
-    dx: &mut [T],
     dw: &mut [T::Acc],
+) -> T::Acc
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: Lanes<S>,
+{
+    let lanes = S::LANES;
+    let full = x.len() / lanes * lanes;
+    let pairs = full / (2 * lanes) * (2 * lanes);
+    let rv = s.splat(r);
+    // One vector: `dot + g * xhat`, and `dw += dy * xhat`.
+    #[inline(always)]
+    fn step<S, T, const DW: bool>(
+        s: S,
+        dy: S::V,
+        x: S::V,
+        r: S::V,
+        w: S::V,
+        dw: &mut [T::Acc],
+        dot: S::V,
+    ) -> S::V
+    where
+        S: Simd<T::Acc>,
+        T: Lanes<S>,
+        T::Acc: Lanes<S>,
+    {
+        let xhat = s.mul(x, r);
+        if DW {
+            T::Acc::store(s, s.mul_add(dy, xhat, T::Acc::load(s, dw)), dw);
+        }
+        s.mul_add(s.mul(dy, w), xhat, dot)
+    }
+    // Two accumulators, so that consecutive vectors do not wait on each other.
+    let (mut dot0, mut dot1) = (s.splat(T::Acc::ZERO), s.splat(T::Acc::ZERO));
+    let mut i = 0;
+    while i < pairs {
+        let (j, k) = (i + lanes, i + 2 * lanes);
+        let dw0: &mut [T::Acc] = if DW { &mut dw[i..j] } else { &mut [] };
+        dot0 = step::<S, T, DW>(
+            s,
+            T::load(s, &dy[i..j]),
+            T::load(s, &x[i..j]),
+            rv,
+            T::Acc::load(s, &w[i..j]),
+            dw0,
+            dot0,
+        );
+        let dw1: &mut [T::Acc] = if DW { &mut dw[j..k] } else { &mut [] };
+        dot1 = step::<S, T, DW>(
+            s,
+            T::load(s, &dy[j..k]),
+            T::load(s, &x[j..k]),
+            rv,
+            T::Acc::load(s, &w[j..k]),
+            dw1,
+            dot1,
+        );
+        i = k;
+    }
+    if pairs < full {
+        let j = pairs + lanes;
+        let dw0: &mut [T::Acc] = if DW { &mut dw[pairs..j] } else { &mut [] };
+        dot0 = step::<S, T, DW>(
+            s,
+            T::load(s, &dy[pairs..j]),
+            T::load(s, &x[pairs..j]),
+            rv,
+            T::Acc::load(s, &w[pairs..j]),
+            dw0,
+            dot0,
+        );
+    }
+    if full < x.len() {
+        let (dy, x, w) = (
+            load_part(s, &dy[full..]),
+            load_part(s, &x[full..]),
+            load_part(s, &w[full..]),
+        );
+        if DW {
+            let xhat = s.mul(x, rv);
+            let dw = &mut dw[full..];
+            store_part(s, s.mul_add(dy, xhat, load_part(s, dw)), dw);
+        }
+        dot1 = s.mul_add(s.mul(dy, w), s.mul(x, rv), dot1);
+    }
+    s.sum(s.add(dot0, dot1))
+}
+
+/// Backward pass 2 over one row: `dx = (dy * w - xhat * mean) * rstd`, prefetching `next`
+/// (the next row's `dy` and `x`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn input_grad<S, T>(
+    s: S,
+    dy: &[T],
+    x: &[T],
+    r: T::Acc,
+    w: &[T::Acc],
+    mean: T::Acc,
+    dx: &mut [T],
+    next: (&[T], &[T]),
 ) where
     S: Simd<T::Acc>,
     T: Lanes<S>,
     T::Acc: Lanes<S>,
 {
     let lanes = S::LANES;
-    let cols = x.len();
-    let full = cols / lanes * lanes;
+    let full = x.len() / lanes * lanes;
     let rv = s.splat(r);
-
-    // Pass 1 (dy and x from memory): dot = sum(g * xhat); dw += dy * xhat.
-    let mut dot = s.splat(T::Acc::ZERO);
-    let mut step = |d: S::V, xhat: S::V, w: &[T::Acc], dw: &mut [T::Acc], part: bool| {
-        if DX {
-            let w = if part {
-                load_part(s, w)
-            } else {
-                T::Acc::load(s, w)
-            };
-            dot = s.mul_add(s.mul(d, w), xhat, dot);
-        }
-        if DW {
-            if part {
-                store_part(s, s.mul_add(d, xhat, load_part(s, dw)), dw);
-            } else {
-                T::Acc::store(s, s.mul_add(d, xhat, T::Acc::load(s, dw)), dw);
-            }
-        }
-    };
-    for i in (0..full).step_by(lanes) {
-        let end = i + lanes;
-        let xhat = s.mul(T::load(s, &x[i..end]), rv);
-        let d = T::load(s, &dy[i..end]);
-        let dw = if DW { &mut dw[i..end] } else { &mut [] };
-        step(d, xhat, &w[i..end], dw, false);
+    let neg_mean = s.splat(T::Acc::ZERO - mean);
+    #[inline(always)]
+    fn grad<S: Simd<A>, A: Acc>(s: S, dy: S::V, x: S::V, w: S::V, r: S::V, neg_mean: S::V) -> S::V {
+        let g = s.mul(dy, w);
+        s.mul(s.mul_add(s.mul(x, r), neg_mean, g), r)
     }
-    if full < cols {
-        let xhat = s.mul(load_part(s, &x[full..]), rv);
-        let d = load_part(s, &dy[full..]);
-        let dw = if DW { &mut dw[full..] } else { &mut [] };
-        step(d, xhat, &w[full..], dw, true);
-    }
-    if !DX {
-        return;
-    }
-
-    // Pass 2 (dy and x from cache): dx = (g - xhat * mean) * rstd.
-    let neg_mean = s.splat(T::Acc::ZERO - s.sum(dot) / T::Acc::from_usize(cols));
-    let grad = |x: S::V, d: S::V, w: S::V| {
-        let g = s.mul(d, w);
-        s.mul(s.mul_add(s.mul(x, rv), neg_mean, g), rv)
-    };
-    for i in (0..full).step_by(lanes) {
-        let end = i + lanes;
+    let (dy, dy_tail) = dy.split_at(full);
+    let (x, x_tail) = x.split_at(full);
+    let (w, w_tail) = w.split_at(full);
+    let (dx, dx_tail) = dx.split_at_mut(full);
+    let inputs = dy
+        .chunks_exact(lanes)
+        .zip(x.chunks_exact(lanes))
+        .zip(w.chunks_exact(lanes));
+    let next = next.0.chunks_exact(lanes).zip(next.1.chunks_exact(lanes));
+    for (((dy, x), w), (dx, (next_dy, next_x))) in inputs.zip(dx.chunks_exact_mut(lanes).zip(next))
+    {
+        s.prefetch(next_dy);
+        s.prefetch(next_x);
         let v = grad(
-            T::load(s, &x[i..end]),
-            T::load(s, &dy[i..end]),
-            T::Acc::load(s, &w[i..end]),
+            s,
+            T::load(s, dy),
+            T::load(s, x),
+            T::Acc::load(s, w),
+            rv,
+            neg_mean,
         );
-        T::store(s, v, &mut dx[i..end]);
+        T::store(s, v, dx);
     }
-    if full < cols {
-        let v = grad(
-            load_part(s, &x[full..]),
-            load_part(s, &dy[full..]),
-            load_part(s, &w[full..]),
+    if !x_tail.is_empty() {
+        let (dy, x, w) = (
+            load_part(s, dy_tail),
+            load_part(s, x_tail),
+            load_part(s, w_tail),
         );
-        store_part(s, v, &mut dx[full..]);
+        store_part(s, grad(s, dy, x, w, rv, neg_mean), dx_tail);
+    }
+}
+
+/// The weight gradient alone, one pass over the row: `dw += dy * x * rstd`.
+#[inline(always)]
+fn weight_grad<S, T>(s: S, dy: &[T], x: &[T], r: T::Acc, dw: &mut [T::Acc])
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: Lanes<S>,
+{
+    let lanes = S::LANES;
+    let full = x.len() / lanes * lanes;
+    let rv = s.splat(r);
+    let (dy, dy_tail) = dy.split_at(full);
+    let (x, x_tail) = x.split_at(full);
+    let (dw, dw_tail) = dw.split_at_mut(full);
+    let inputs = dy.chunks_exact(lanes).zip(x.chunks_exact(lanes));
+    for ((dy, x), dw) in inputs.zip(dw.chunks_exact_mut(lanes)) {
+        let xhat = s.mul(T::load(s, x), rv);
+        T::Acc::store(s, s.mul_add(T::load(s, dy), xhat, T::Acc::load(s, dw)), dw);
+    }
+    if !x_tail.is_empty() {
+        let xhat = s.mul(load_part(s, x_tail), rv);
+        store_part(
+            s,
+            s.mul_add(load_part(s, dy_tail), xhat, load_part(s, dw_tail)),
+            dw_tail,
+        );
     }
 }
 
@@ -312,11 +426,4 @@ where
     for (acc, &part) in acc_tail.iter_mut().zip(part_tail) {
         *acc += part;
     }
-}
-
-/// TEMPORARY experiment switches.
-#[doc(hidden)]
-pub static EXP: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-pub(crate) fn exp(bit: u32) -> bool {
-    EXP.load(std::sync::atomic::Ordering::Relaxed) >> bit & 1 == 1
 }

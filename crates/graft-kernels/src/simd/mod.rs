@@ -37,9 +37,6 @@ pub(crate) trait Simd<A: Acc>: Copy {
     fn prefetch<E>(self, data: &[E]) {
         let _ = data;
     }
-    /// Makes earlier [`Lanes::store_stream`] stores visible before later stores.
-    #[inline(always)]
-    fn fence_streams(self) {}
 }
 
 /// Loading and storing element type `Self` as vectors of `Self::Acc` with the token `S`.
@@ -60,12 +57,6 @@ where
     /// Narrows `v` into `dst[..S::LANES]` (rounding as [`Float::from_acc`]). Panics if `dst` is
     /// shorter.
     fn store(s: S, v: S::V, dst: &mut [Self]);
-    /// Like [`Lanes::store`], but may bypass the caches (a non-temporal store, for outputs too
-    /// large to stay cached); follow with [`Simd::fence_streams`].
-    #[inline(always)]
-    fn store_stream(s: S, v: S::V, dst: &mut [Self]) {
-        Self::store(s, v, dst)
-    }
 }
 
 /// Loads fewer than `S::LANES` elements; the missing lanes read as zero.

@@ -35,6 +35,13 @@ impl Avx2 {
     }
 }
 
+impl From<Avx512> for Avx2 {
+    /// AVX-512 tokens are only made on CPUs that also have AVX2, FMA and F16C.
+    fn from(_: Avx512) -> Avx2 {
+        Avx2 { _detected: () }
+    }
+}
+
 impl Avx512 {
     /// The token, if this CPU has the features.
     pub(crate) fn detect() -> Option<Self> {
@@ -212,11 +219,6 @@ impl Simd<f32> for Avx2 {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
     }
-    #[inline(always)]
-    fn fence_streams(self) {
-        // SAFETY: the token proves SSE.
-        unsafe { _mm_sfence() }
-    }
 }
 
 impl Simd<f64> for Avx2 {
@@ -256,70 +258,37 @@ impl Simd<f64> for Avx2 {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
     }
-    #[inline(always)]
-    fn fence_streams(self) {
-        // SAFETY: the token proves SSE.
-        unsafe { _mm_sfence() }
-    }
 }
 
-impl Lanes<Avx2> for f32 {
+impl Avx2 {
+    /// Writes the 32 bytes `bits` to `dst` (exactly 32 bytes).
     #[inline(always)]
-    fn load(_: Avx2, src: &[f32]) -> __m256 {
-        let src = &src[..8];
-        // SAFETY: the token proves AVX; `src` holds the 8 values read.
-        unsafe { _mm256_loadu_ps(src.as_ptr()) }
+    fn put<T>(self, dst: &mut [T], bits: __m256i) {
+        assert_eq!(std::mem::size_of_val(dst), 32);
+        // SAFETY: the token proves AVX; `dst` spans the 32 bytes written.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), bits) }
     }
-    #[inline(always)]
-    fn store(_: Avx2, v: __m256, dst: &mut [f32]) {
-        let dst = &mut dst[..8];
-        // SAFETY: the token proves AVX; `dst` holds the 8 values written.
-        unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), v) }
-    }
-}
 
-impl Lanes<Avx2> for f64 {
+    /// Writes the 16 bytes `bits` to `dst` (exactly 16 bytes).
     #[inline(always)]
-    fn load(_: Avx2, src: &[f64]) -> __m256d {
-        let src = &src[..4];
-        // SAFETY: the token proves AVX; `src` holds the 4 values read.
-        unsafe { _mm256_loadu_pd(src.as_ptr()) }
+    fn put_half<T>(self, dst: &mut [T], bits: __m128i) {
+        assert_eq!(std::mem::size_of_val(dst), 16);
+        // SAFETY: the token proves SSE2; `dst` spans the 16 bytes written.
+        unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), bits) }
     }
-    #[inline(always)]
-    fn store(_: Avx2, v: __m256d, dst: &mut [f64]) {
-        let dst = &mut dst[..4];
-        // SAFETY: the token proves AVX; `dst` holds the 4 values written.
-        unsafe { _mm256_storeu_pd(dst.as_mut_ptr(), v) }
-    }
-}
 
-impl Lanes<Avx2> for bf16 {
+    /// Reads 16 bytes from `src` (exactly 16 bytes).
     #[inline(always)]
-    fn load(_: Avx2, src: &[bf16]) -> __m256 {
-        let src = &src[..8];
-        // SAFETY: the token proves AVX2; `src` holds the 8 values (16 bytes) read. A bf16 is the
-        // high half of the f32 with the same value.
-        unsafe {
-            let bits = _mm_loadu_si128(src.as_ptr().cast());
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
-        }
+    fn get_half<T>(self, src: &[T]) -> __m128i {
+        assert_eq!(std::mem::size_of_val(src), 16);
+        // SAFETY: the token proves SSE2; `src` spans the 16 bytes read.
+        unsafe { _mm_loadu_si128(src.as_ptr().cast()) }
     }
+
+    /// f32 lanes rounded to bf16 (nearest even; NaN kept, quieted), packed.
     #[inline(always)]
-    fn load_exact(s: Avx2, src: &[bf16]) -> __m256 {
-        let v = Self::load(s, src);
-        // SAFETY: the token proves AVX. Sets the quiet bit of NaNs, as `half` does.
-        unsafe {
-            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
-            _mm256_or_ps(
-                v,
-                _mm256_and_ps(nan, _mm256_castsi256_ps(_mm256_set1_epi32(0x40_0000))),
-            )
-        }
-    }
-    #[inline(always)]
-    fn store(_: Avx2, v: __m256, dst: &mut [bf16]) {
-        let dst = &mut dst[..8];
-        // SAFETY: the token proves AVX2; `dst` holds the 8 values (16 bytes) written.
+    fn to_bf16(self, v: __m256) -> __m128i {
+        // SAFETY: the token proves AVX2.
         unsafe {
             let bits = _mm256_castps_si256(v);
             let high = _mm256_srli_epi32::<16>(bits);
@@ -335,26 +304,74 @@ impl Lanes<Avx2> for bf16 {
             let halves = _mm256_blendv_epi8(rounded, quiet, nan);
             // Pack the eight 32-bit lanes (all < 2^16) into 16 bytes.
             let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(halves, halves));
-            _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm256_castsi256_si128(packed));
+            _mm256_castsi256_si128(packed)
         }
+    }
+}
+
+impl Lanes<Avx2> for f32 {
+    #[inline(always)]
+    fn load(_: Avx2, src: &[f32]) -> __m256 {
+        let src = &src[..8];
+        // SAFETY: the token proves AVX; `src` holds the 8 values read.
+        unsafe { _mm256_loadu_ps(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256, dst: &mut [f32]) {
+        // SAFETY: the token proves AVX.
+        s.put(&mut dst[..8], unsafe { _mm256_castps_si256(v) })
+    }
+}
+
+impl Lanes<Avx2> for f64 {
+    #[inline(always)]
+    fn load(_: Avx2, src: &[f64]) -> __m256d {
+        let src = &src[..4];
+        // SAFETY: the token proves AVX; `src` holds the 4 values read.
+        unsafe { _mm256_loadu_pd(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256d, dst: &mut [f64]) {
+        // SAFETY: the token proves AVX.
+        s.put(&mut dst[..4], unsafe { _mm256_castpd_si256(v) })
+    }
+}
+
+impl Lanes<Avx2> for bf16 {
+    #[inline(always)]
+    fn load(s: Avx2, src: &[bf16]) -> __m256 {
+        let bits = s.get_half(&src[..8]);
+        // SAFETY: the token proves AVX2. A bf16 is the high half of the f32 of the same value.
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits))) }
+    }
+    #[inline(always)]
+    fn load_exact(s: Avx2, src: &[bf16]) -> __m256 {
+        let v = Self::load(s, src);
+        // SAFETY: the token proves AVX. Sets the quiet bit of NaNs, as `half` does.
+        unsafe {
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            let quiet_bit = _mm256_castsi256_ps(_mm256_set1_epi32(0x40_0000));
+            _mm256_or_ps(v, _mm256_and_ps(nan, quiet_bit))
+        }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256, dst: &mut [bf16]) {
+        s.put_half(&mut dst[..8], s.to_bf16(v))
     }
 }
 
 impl Lanes<Avx2> for f16 {
     #[inline(always)]
-    fn load(_: Avx2, src: &[f16]) -> __m256 {
-        let src = &src[..8];
-        // SAFETY: the token proves F16C; `src` holds the 8 values (16 bytes) read.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())) }
+    fn load(s: Avx2, src: &[f16]) -> __m256 {
+        let bits = s.get_half(&src[..8]);
+        // SAFETY: the token proves F16C.
+        unsafe { _mm256_cvtph_ps(bits) }
     }
     #[inline(always)]
-    fn store(_: Avx2, v: __m256, dst: &mut [f16]) {
-        let dst = &mut dst[..8];
-        // SAFETY: the token proves F16C; `dst` holds the 8 values (16 bytes) written.
-        unsafe {
-            let halves = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-            _mm_storeu_si128(dst.as_mut_ptr().cast(), halves);
-        }
+    fn store(s: Avx2, v: __m256, dst: &mut [f16]) {
+        // SAFETY: the token proves F16C.
+        let bits = unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) };
+        s.put_half(&mut dst[..8], bits)
     }
 }
 
@@ -395,11 +412,6 @@ impl Simd<f32> for Avx512 {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
     }
-    #[inline(always)]
-    fn fence_streams(self) {
-        // SAFETY: the token proves SSE.
-        unsafe { _mm_sfence() }
-    }
 }
 
 impl Simd<f64> for Avx512 {
@@ -436,10 +448,43 @@ impl Simd<f64> for Avx512 {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
     }
+}
+
+impl Avx512 {
+    /// Writes the 64 bytes `bits` to `dst` (exactly 64 bytes).
     #[inline(always)]
-    fn fence_streams(self) {
-        // SAFETY: the token proves SSE.
-        unsafe { _mm_sfence() }
+    fn put<T>(self, dst: &mut [T], bits: __m512i) {
+        assert_eq!(std::mem::size_of_val(dst), 64);
+        // SAFETY: the token proves AVX-512F; `dst` spans the 64 bytes written.
+        unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), bits) }
+    }
+
+    /// Reads 32 bytes from `src` (exactly 32 bytes).
+    #[inline(always)]
+    fn get_half<T>(self, src: &[T]) -> __m256i {
+        assert_eq!(std::mem::size_of_val(src), 32);
+        // SAFETY: the token proves AVX; `src` spans the 32 bytes read.
+        unsafe { _mm256_loadu_si256(src.as_ptr().cast()) }
+    }
+
+    /// f32 lanes rounded to bf16 (nearest even; NaN kept, quieted), packed.
+    #[inline(always)]
+    fn to_bf16(self, v: __m512) -> __m256i {
+        // SAFETY: the token proves AVX-512F.
+        unsafe {
+            let bits = _mm512_castps_si512(v);
+            let high = _mm512_srli_epi32::<16>(bits);
+            // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
+            let bias = _mm512_add_epi32(
+                _mm512_and_si512(high, _mm512_set1_epi32(1)),
+                _mm512_set1_epi32(0x7fff),
+            );
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
+            // NaN: keep sign and leading payload, set the quiet bit.
+            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
+        }
     }
 }
 
@@ -451,21 +496,9 @@ impl Lanes<Avx512> for f32 {
         unsafe { _mm512_loadu_ps(src.as_ptr()) }
     }
     #[inline(always)]
-    fn store(_: Avx512, v: __m512, dst: &mut [f32]) {
-        let dst = &mut dst[..16];
-        // SAFETY: the token proves AVX-512F; `dst` holds the 16 values written.
-        unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) }
-    }
-    #[inline(always)]
-    fn store_stream(s: Avx512, v: __m512, dst: &mut [f32]) {
-        let dst = &mut dst[..16];
-        if dst.as_ptr().cast::<__m512>().is_aligned() {
-            // SAFETY: the token proves AVX-512F; `dst` holds the 16 values written, 64-byte
-            // aligned as the stream store needs.
-            unsafe { _mm512_stream_ps(dst.as_mut_ptr(), v) }
-        } else {
-            Self::store(s, v, dst)
-        }
+    fn store(s: Avx512, v: __m512, dst: &mut [f32]) {
+        // SAFETY: the token proves AVX-512F.
+        s.put(&mut dst[..16], unsafe { _mm512_castps_si512(v) })
     }
 }
 
@@ -477,23 +510,19 @@ impl Lanes<Avx512> for f64 {
         unsafe { _mm512_loadu_pd(src.as_ptr()) }
     }
     #[inline(always)]
-    fn store(_: Avx512, v: __m512d, dst: &mut [f64]) {
-        let dst = &mut dst[..8];
-        // SAFETY: the token proves AVX-512F; `dst` holds the 8 values written.
-        unsafe { _mm512_storeu_pd(dst.as_mut_ptr(), v) }
+    fn store(s: Avx512, v: __m512d, dst: &mut [f64]) {
+        // SAFETY: the token proves AVX-512F.
+        s.put(&mut dst[..8], unsafe { _mm512_castpd_si512(v) })
     }
 }
 
 impl Lanes<Avx512> for bf16 {
     #[inline(always)]
-    fn load(_: Avx512, src: &[bf16]) -> __m512 {
-        let src = &src[..16];
-        // SAFETY: the token proves AVX-512F; `src` holds the 16 values (32 bytes) read. A bf16
-        // is the high half of the f32 with the same value.
-        unsafe {
-            let bits = _mm256_loadu_si256(src.as_ptr().cast());
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
-        }
+    fn load(s: Avx512, src: &[bf16]) -> __m512 {
+        let bits = s.get_half(&src[..16]);
+        // SAFETY: the token proves AVX-512F. A bf16 is the high half of the f32 of the same
+        // value.
+        unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits))) }
     }
     #[inline(always)]
     fn load_exact(s: Avx512, src: &[bf16]) -> __m512 {
@@ -507,63 +536,23 @@ impl Lanes<Avx512> for bf16 {
         }
     }
     #[inline(always)]
-    fn store(_: Avx512, v: __m512, dst: &mut [bf16]) {
-        let dst = &mut dst[..16];
-        // SAFETY: the token proves AVX-512F; `dst` holds the 16 values (32 bytes) written.
-        unsafe {
-            let bits = _mm512_castps_si512(v);
-            let high = _mm512_srli_epi32::<16>(bits);
-            // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
-            let bias = _mm512_add_epi32(
-                _mm512_and_si512(high, _mm512_set1_epi32(1)),
-                _mm512_set1_epi32(0x7fff),
-            );
-            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
-            // NaN: keep sign and leading payload, set the quiet bit.
-            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let halves = _mm512_mask_blend_epi32(nan, rounded, quiet);
-            _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(halves));
-        }
-    }
-    #[inline(always)]
-    fn store_stream(s: Avx512, v: __m512, dst: &mut [bf16]) {
-        let dst = &mut dst[..16];
-        if dst.as_ptr().cast::<__m256i>().is_aligned() {
-            // SAFETY: as in `store`; the stream store needs (and here has) 32-byte alignment.
-            unsafe {
-                let bits = _mm512_castps_si512(v);
-                let high = _mm512_srli_epi32::<16>(bits);
-                let bias = _mm512_add_epi32(
-                    _mm512_and_si512(high, _mm512_set1_epi32(1)),
-                    _mm512_set1_epi32(0x7fff),
-                );
-                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
-                let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-                let halves = _mm512_mask_blend_epi32(nan, rounded, quiet);
-                _mm256_stream_si256(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(halves));
-            }
-        } else {
-            Self::store(s, v, dst)
-        }
+    fn store(s: Avx512, v: __m512, dst: &mut [bf16]) {
+        Avx2::from(s).put(&mut dst[..16], s.to_bf16(v))
     }
 }
 
 impl Lanes<Avx512> for f16 {
     #[inline(always)]
-    fn load(_: Avx512, src: &[f16]) -> __m512 {
-        let src = &src[..16];
-        // SAFETY: the token proves AVX-512F; `src` holds the 16 values (32 bytes) read.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().cast())) }
+    fn load(s: Avx512, src: &[f16]) -> __m512 {
+        let bits = s.get_half(&src[..16]);
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_cvtph_ps(bits) }
     }
     #[inline(always)]
-    fn store(_: Avx512, v: __m512, dst: &mut [f16]) {
-        let dst = &mut dst[..16];
-        // SAFETY: the token proves AVX-512F; `dst` holds the 16 values (32 bytes) written.
-        unsafe {
-            let halves = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-            _mm256_storeu_si256(dst.as_mut_ptr().cast(), halves);
-        }
+    fn store(s: Avx512, v: __m512, dst: &mut [f16]) {
+        // SAFETY: the token proves AVX-512F.
+        let bits =
+            unsafe { _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) };
+        Avx2::from(s).put(&mut dst[..16], bits)
     }
 }
