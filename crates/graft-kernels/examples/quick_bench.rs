@@ -1,5 +1,8 @@
-//! A quick min-of-N timing of the (8192 x 4096) cases, less sensitive to a busy machine than the
-//! criterion means: `cargo run -p graft-kernels --release --example quick_bench [reps]`.
+//! The fastest of N runs of the (8192 x 4096) cases, for a quick look on a busy machine where
+//! criterion's means wander: `cargo run -p graft-kernels --release --example quick_bench [N]`.
+//!
+//! `QUICK_BENCH_ALL_ISAS=1` also times the AVX2 and portable kernels (default: the best only).
+//! GB/s counts bytes read plus bytes written (2 tensors for copy and forward, 3 for backward).
 
 use std::time::Instant;
 
@@ -9,6 +12,7 @@ use half::bf16;
 const ROWS: usize = 8192;
 const COLS: usize = 4096;
 
+/// Deterministic inputs in about [-2, 2) (splitmix64).
 fn random<T: Float<Acc = f32>>(n: usize, seed: u64) -> Vec<T> {
     let mut state = seed;
     (0..n)
@@ -23,6 +27,13 @@ fn random<T: Float<Acc = f32>>(n: usize, seed: u64) -> Vec<T> {
         .collect()
 }
 
+/// A zeroed buffer of `n` elements starting on a 64-byte boundary, as torch allocates.
+fn aligned<T: Float>(storage: &mut Vec<T>, n: usize) -> &mut [T] {
+    *storage = vec![T::default(); n + 64];
+    let skip = storage.as_ptr().align_offset(64);
+    &mut storage[skip..skip + n]
+}
+
 /// The fastest of `reps` runs of `f`, in milliseconds.
 fn best_ms(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -35,70 +46,64 @@ fn best_ms(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// `dst.copy_from_slice(src)` in two halves over `par`.
+fn copy<T: Float>(src: &[T], dst: &mut [T], par: &dyn Parallel) {
+    let half = src.len() / 2;
+    let (lo, hi) = dst.split_at_mut(half);
+    let halves = [std::sync::Mutex::new(lo), std::sync::Mutex::new(hi)];
+    par.for_range(2, 1, &|range| {
+        for i in range {
+            let mut dst = halves[i].lock().unwrap();
+            let len = dst.len();
+            dst.copy_from_slice(&src[i * half..][..len]);
+        }
+    });
+}
+
 fn run<T: Float<Acc = f32>>(name: &str, reps: usize) {
     let n = ROWS * COLS;
     let gb = (n * std::mem::size_of::<T>()) as f64 / 1e9;
     let x = random::<T>(n, 1);
     let dy = random::<T>(n, 2);
     let w: Vec<f32> = random::<T>(COLS, 3).into_iter().map(T::to_acc).collect();
-    let (mut y, mut dx) = (vec![T::default(); n], vec![T::default(); n]);
+    let (mut y_storage, mut dx_storage) = (Vec::new(), Vec::new());
+    let y = aligned(&mut y_storage, n);
+    let dx = aligned(&mut dx_storage, n);
     let (mut rstd, mut dw) = (vec![0.0f32; ROWS], vec![0.0f32; COLS]);
-    let pars: [(&str, &dyn Parallel); 2] = [("serial", &Serial), ("threads2", &Threads(2))];
-    for (pn, par) in pars {
-        let ms = best_ms(reps, || y.copy_from_slice(&x));
-        if pn == "serial" {
-            println!(
-                "{name:5} copy     {pn:8} {ms:7.2} ms {:6.1} GB/s",
-                2.0 * gb / ms * 1e3
-            );
-        }
+    let report = |what: &str, par: &str, ms: f64, tensors: f64| {
+        let rate = tensors * gb / ms * 1e3;
+        println!("{name:5} {what:8} {par:10} {ms:7.2} ms {rate:6.1} GB/s");
+    };
+    let pars: [(&str, &dyn Parallel); 2] = [("Serial", &Serial), ("Threads(2)", &Threads(2))];
+    for (par_name, par) in pars {
+        report("copy", par_name, best_ms(reps, || copy(&x, y, par)), 2.0);
         let ms = best_ms(reps, || {
-            rms_norm::forward(&x, ROWS, COLS, Some(&w), 1e-6, &mut y, &mut rstd, par)
+            rms_norm::forward(&x, ROWS, COLS, Some(&w), 1e-6, y, &mut rstd, par)
         });
-        println!(
-            "{name:5} forward  {pn:8} {ms:7.2} ms {:6.1} GB/s",
-            2.0 * gb / ms * 1e3
-        );
+        report("forward", par_name, ms, 2.0);
         let ms = best_ms(reps, || {
-            rms_norm::backward(
-                &dy,
-                &x,
-                &rstd,
-                ROWS,
-                COLS,
-                Some(&w),
-                Some(&mut dx),
-                Some(&mut dw),
-                par,
-            )
+            let (dx, dw) = (Some(&mut dx[..]), Some(&mut dw[..]));
+            rms_norm::backward(&dy, &x, &rstd, ROWS, COLS, Some(&w), dx, dw, par)
         });
-        println!(
-            "{name:5} backward {pn:8} {ms:7.2} ms {:6.1} GB/s",
-            3.0 * gb / ms * 1e3
-        );
+        report("backward", par_name, ms, 3.0);
     }
 }
 
 fn main() {
     let reps = std::env::args()
         .nth(1)
-        .map_or(10, |r| r.parse().expect("reps"));
-    let only = std::env::var("ONLY").unwrap_or_default();
-    for isa in Isa::available() {
-        if !only.is_empty() && isa != Isa::Avx512 {
-            continue;
-        }
-        if isa == Isa::Portable && std::env::var_os("QUICK_BENCH_PORTABLE").is_none() {
-            continue;
-        }
-        println!("-- {isa:?}");
+        .map_or(20, |r| r.parse().expect("N"));
+    let all = std::env::var_os("QUICK_BENCH_ALL_ISAS").is_some();
+    let isas = if all {
+        Isa::available()
+    } else {
+        vec![Isa::best()]
+    };
+    for isa in isas {
+        println!("-- {isa:?}, best of {reps}");
         with_isa(isa, || {
-            if only.is_empty() || only == "bf16" {
-                run::<bf16>("bf16", reps);
-            }
-            if only.is_empty() || only == "f32" {
-                run::<f32>("f32", reps);
-            }
+            run::<bf16>("bf16", reps);
+            run::<f32>("f32", reps);
         });
     }
 }
