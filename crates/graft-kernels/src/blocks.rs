@@ -8,7 +8,7 @@ use crate::parallel::Parallel;
 /// Work per parallel task below which threads cost more than they save (elements).
 const MIN_TASK_ELEMS: usize = 1 << 16;
 
-/// Runs `work(i, item)` for every `(i, item)` of `items` through `par`, `grain_elems` elements of
+/// Runs `work(i, item)` for every `(i, item)` of `items` through `par`, `item_elems` elements of
 /// work per item, so that each task gets about [`MIN_TASK_ELEMS`] or more.
 ///
 /// Each item (typically `&mut` slices of the outputs) sits in its own cell that the task visiting
