@@ -1,6 +1,6 @@
 //! RMSNorm at (8192 x 4096), bf16 and f32, forward and backward, Serial and Threads(2), against
-//! a plain copy of the same bytes (the bandwidth reference). Outputs are allocated (and so
-//! faulted in) once, outside the timing.
+//! a plain copy of the same bytes (the bandwidth reference). Outputs are allocated 64-byte
+//! aligned (as torch does) and faulted in once, outside the timing.
 //!
 //! `cargo bench -p graft-kernels --bench rms_norm`; criterion prints time and GB/s (bytes read
 //! plus bytes written: 2 tensors for copy and forward, 3 for backward).
@@ -29,16 +29,23 @@ fn random<T: Float<Acc = f32>>(n: usize, seed: u64) -> Vec<T> {
         .collect()
 }
 
-/// `dst.copy_from_slice(src)`, split in equal parts over `par`.
+/// A zeroed buffer of `n` elements starting on a 64-byte boundary, as torch allocates.
+fn aligned<T: Float>(storage: &mut Vec<T>, n: usize) -> &mut [T] {
+    *storage = vec![T::default(); n + 64];
+    let skip = storage.as_ptr().align_offset(64);
+    &mut storage[skip..skip + n]
+}
+
+/// `dst.copy_from_slice(src)` in two halves over `par`.
 fn copy<T: Float>(src: &[T], dst: &mut [T], par: &dyn Parallel) {
-    let parts = 64;
-    let chunk = src.len().div_ceil(parts);
-    let cells: Vec<_> = dst.chunks_mut(chunk).map(std::sync::Mutex::new).collect();
-    par.for_range(cells.len(), 1, &|range| {
+    let half = src.len() / 2;
+    let (lo, hi) = dst.split_at_mut(half);
+    let halves = [std::sync::Mutex::new(lo), std::sync::Mutex::new(hi)];
+    par.for_range(2, 1, &|range| {
         for i in range {
-            let mut dst = cells[i].lock().unwrap();
+            let mut dst = halves[i].lock().unwrap();
             let len = dst.len();
-            dst.copy_from_slice(&src[i * chunk..][..len]);
+            dst.copy_from_slice(&src[i * half..][..len]);
         }
     });
 }
@@ -49,8 +56,9 @@ fn bench_dtype<T: Float<Acc = f32>>(c: &mut Criterion, name: &str) {
     let x = random::<T>(n, 1);
     let dy = random::<T>(n, 2);
     let weight: Vec<f32> = random::<T>(COLS, 3).into_iter().map(T::to_acc).collect();
-    let mut y = vec![T::default(); n];
-    let mut dx = vec![T::default(); n];
+    let (mut y_storage, mut dx_storage) = (Vec::new(), Vec::new());
+    let y = aligned(&mut y_storage, n);
+    let dx = aligned(&mut dx_storage, n);
     let mut rstd = vec![0.0f32; ROWS];
     let mut dw = vec![0.0f32; COLS];
     let pars: [(&str, &dyn Parallel); 2] = [("serial", &Serial), ("threads2", &Threads(2))];
@@ -64,24 +72,15 @@ fn bench_dtype<T: Float<Acc = f32>>(c: &mut Criterion, name: &str) {
     group.throughput(Throughput::Bytes(2 * bytes));
     for (par_name, par) in pars {
         group.bench_function(BenchmarkId::new("copy", par_name), |b| {
-            b.iter(|| copy(&x, &mut y, par))
+            b.iter(|| copy(&x, y, par))
         });
     }
     for (par_name, par) in pars {
         group.bench_function(BenchmarkId::new("forward", par_name), |b| {
-            b.iter(|| rms_norm::forward(&x, ROWS, COLS, Some(&weight), eps, &mut y, &mut rstd, par))
+            b.iter(|| rms_norm::forward(&x, ROWS, COLS, Some(&weight), eps, y, &mut rstd, par))
         });
     }
-    rms_norm::forward(
-        &x,
-        ROWS,
-        COLS,
-        Some(&weight),
-        eps,
-        &mut y,
-        &mut rstd,
-        &Serial,
-    );
+    rms_norm::forward(&x, ROWS, COLS, Some(&weight), eps, y, &mut rstd, &Serial);
 
     group.throughput(Throughput::Bytes(3 * bytes));
     for (par_name, par) in pars {
@@ -94,7 +93,7 @@ fn bench_dtype<T: Float<Acc = f32>>(c: &mut Criterion, name: &str) {
                     ROWS,
                     COLS,
                     Some(&weight),
-                    Some(&mut dx),
+                    Some(&mut dx[..]),
                     Some(&mut dw),
                     par,
                 )

@@ -194,16 +194,13 @@ where
 {
     let lanes = S::LANES;
     let full = x.len() / lanes * lanes;
-    let pairs = full / (2 * lanes) * (2 * lanes);
     let rv = s.splat(r);
-    // One vector: `dot + g * xhat`, and `dw += dy * xhat`.
+    // The vector at `i`: returns `dot + g * xhat`, and adds `dy * xhat` to `dw`.
     #[inline(always)]
     fn step<S, T, const DW: bool>(
         s: S,
-        dy: S::V,
-        x: S::V,
+        (dy, x, w): (&[T], &[T], &[T::Acc]),
         r: S::V,
-        w: S::V,
         dw: &mut [T::Acc],
         dot: S::V,
     ) -> S::V
@@ -212,51 +209,23 @@ where
         T: Lanes<S>,
         T::Acc: Lanes<S>,
     {
-        let xhat = s.mul(x, r);
+        let (dy, xhat) = (T::load(s, dy), s.mul(T::load(s, x), r));
         if DW {
             T::Acc::store(s, s.mul_add(dy, xhat, T::Acc::load(s, dw)), dw);
         }
-        s.mul_add(s.mul(dy, w), xhat, dot)
+        s.mul_add(s.mul(dy, T::Acc::load(s, w)), xhat, dot)
     }
-    // Two accumulators, so that consecutive vectors do not wait on each other.
+    // Two accumulators taking turns, so that consecutive vectors do not wait on each other.
     let (mut dot0, mut dot1) = (s.splat(T::Acc::ZERO), s.splat(T::Acc::ZERO));
-    let mut i = 0;
-    while i < pairs {
-        let (j, k) = (i + lanes, i + 2 * lanes);
-        let dw0: &mut [T::Acc] = if DW { &mut dw[i..j] } else { &mut [] };
-        dot0 = step::<S, T, DW>(
-            s,
-            T::load(s, &dy[i..j]),
-            T::load(s, &x[i..j]),
-            rv,
-            T::Acc::load(s, &w[i..j]),
-            dw0,
-            dot0,
-        );
-        let dw1: &mut [T::Acc] = if DW { &mut dw[j..k] } else { &mut [] };
-        dot1 = step::<S, T, DW>(
-            s,
-            T::load(s, &dy[j..k]),
-            T::load(s, &x[j..k]),
-            rv,
-            T::Acc::load(s, &w[j..k]),
-            dw1,
-            dot1,
-        );
-        i = k;
-    }
-    if pairs < full {
-        let j = pairs + lanes;
-        let dw0: &mut [T::Acc] = if DW { &mut dw[pairs..j] } else { &mut [] };
-        dot0 = step::<S, T, DW>(
-            s,
-            T::load(s, &dy[pairs..j]),
-            T::load(s, &x[pairs..j]),
-            rv,
-            T::Acc::load(s, &w[pairs..j]),
-            dw0,
-            dot0,
-        );
+    for (k, i) in (0..full).step_by(lanes).enumerate() {
+        let j = i + lanes;
+        let inputs = (&dy[i..j], &x[i..j], &w[i..j]);
+        let dw: &mut [T::Acc] = if DW { &mut dw[i..j] } else { &mut [] };
+        if k % 2 == 0 {
+            dot0 = step::<S, T, DW>(s, inputs, rv, dw, dot0);
+        } else {
+            dot1 = step::<S, T, DW>(s, inputs, rv, dw, dot1);
+        }
     }
     if full < x.len() {
         let (dy, x, w) = (
@@ -264,12 +233,12 @@ where
             load_part(s, &x[full..]),
             load_part(s, &w[full..]),
         );
+        let xhat = s.mul(x, rv);
         if DW {
-            let xhat = s.mul(x, rv);
             let dw = &mut dw[full..];
             store_part(s, s.mul_add(dy, xhat, load_part(s, dw)), dw);
         }
-        dot1 = s.mul_add(s.mul(dy, w), s.mul(x, rv), dot1);
+        dot1 = s.mul_add(s.mul(dy, w), xhat, dot1);
     }
     s.sum(s.add(dot0, dot1))
 }
