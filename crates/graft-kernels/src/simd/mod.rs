@@ -31,8 +31,8 @@ pub(crate) trait Simd<A: Acc>: Copy {
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// The sum of the lanes, in a fixed order.
     fn sum(self, v: Self::V) -> A;
-    /// Hints that the cache line holding `data[0]` will be read soon (no effect if `data` is
-    /// empty or the instruction set has no prefetch).
+    /// Hints that the cache line holding `data[0]` will be read soon. A hint only: it never
+    /// faults (also for an empty `data`), and the portable token ignores it.
     #[inline(always)]
     fn prefetch<E>(self, data: &[E]) {
         let _ = data;
