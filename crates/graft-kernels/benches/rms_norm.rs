@@ -1,0 +1,117 @@
+//! RMSNorm at (8192 x 4096), bf16 and f32, forward and backward, Serial and Threads(2), against
+//! a plain copy of the same bytes (the bandwidth reference). Outputs are allocated 64-byte
+//! aligned (as torch does) and faulted in once, outside the timing.
+//!
+//! `cargo bench -p graft-kernels --bench rms_norm`; criterion prints time and GB/s (bytes read
+//! plus bytes written: 2 tensors for copy and forward, 3 for backward).
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use graft_kernels::{rms_norm, Float, Isa, Parallel, Serial, Threads};
+use half::bf16;
+
+const ROWS: usize = 8192;
+const COLS: usize = 4096;
+
+/// Deterministic inputs in about [-2, 2) (splitmix64).
+fn random<T: Float<Acc = f32>>(n: usize, seed: u64) -> Vec<T> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            T::from_acc((z >> 40) as f32 / (1u64 << 22) as f32 - 2.0)
+        })
+        .collect()
+}
+
+/// A zeroed buffer of `n` elements starting on a 64-byte boundary, as torch allocates.
+fn aligned<T: Float>(storage: &mut Vec<T>, n: usize) -> &mut [T] {
+    *storage = vec![T::default(); n + 64];
+    let skip = storage.as_ptr().align_offset(64);
+    &mut storage[skip..skip + n]
+}
+
+/// `dst.copy_from_slice(src)` in two halves over `par`.
+fn copy<T: Float>(src: &[T], dst: &mut [T], par: &dyn Parallel) {
+    let half = src.len() / 2;
+    let (lo, hi) = dst.split_at_mut(half);
+    let halves = [std::sync::Mutex::new(lo), std::sync::Mutex::new(hi)];
+    par.for_range(2, 1, &|range| {
+        for i in range {
+            let mut dst = halves[i].lock().unwrap();
+            let len = dst.len();
+            dst.copy_from_slice(&src[i * half..][..len]);
+        }
+    });
+}
+
+fn bench_dtype<T: Float<Acc = f32>>(c: &mut Criterion, name: &str) {
+    let n = ROWS * COLS;
+    let bytes = (n * std::mem::size_of::<T>()) as u64;
+    let x = random::<T>(n, 1);
+    let dy = random::<T>(n, 2);
+    let weight: Vec<f32> = random::<T>(COLS, 3).into_iter().map(T::to_acc).collect();
+    let (mut y_storage, mut dx_storage) = (Vec::new(), Vec::new());
+    let y = aligned(&mut y_storage, n);
+    let dx = aligned(&mut dx_storage, n);
+    let mut rstd = vec![0.0f32; ROWS];
+    let mut dw = vec![0.0f32; COLS];
+    let pars: [(&str, &dyn Parallel); 2] = [("serial", &Serial), ("threads2", &Threads(2))];
+    let eps = 1e-6;
+
+    let mut group = c.benchmark_group(format!("{name}_{ROWS}x{COLS}"));
+    group.sample_size(20);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(3));
+
+    group.throughput(Throughput::Bytes(2 * bytes));
+    for (par_name, par) in pars {
+        group.bench_function(BenchmarkId::new("copy", par_name), |b| {
+            b.iter(|| copy(&x, y, par))
+        });
+    }
+    for (par_name, par) in pars {
+        group.bench_function(BenchmarkId::new("forward", par_name), |b| {
+            b.iter(|| rms_norm::forward(&x, ROWS, COLS, Some(&weight), eps, y, &mut rstd, par))
+        });
+    }
+    rms_norm::forward(&x, ROWS, COLS, Some(&weight), eps, y, &mut rstd, &Serial);
+
+    group.throughput(Throughput::Bytes(3 * bytes));
+    for (par_name, par) in pars {
+        group.bench_function(BenchmarkId::new("backward", par_name), |b| {
+            b.iter(|| {
+                rms_norm::backward(
+                    &dy,
+                    &x,
+                    &rstd,
+                    ROWS,
+                    COLS,
+                    Some(&weight),
+                    Some(&mut dx[..]),
+                    Some(&mut dw),
+                    par,
+                )
+            })
+        });
+    }
+    group.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    eprintln!(
+        "instruction set: {:?} (available: {:?})",
+        Isa::best(),
+        Isa::available()
+    );
+    bench_dtype::<bf16>(c, "bf16");
+    bench_dtype::<f32>(c, "f32");
+}
+
+criterion_group!(rms_norm_benches, benches);
+criterion_main!(rms_norm_benches);

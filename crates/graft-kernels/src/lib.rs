@@ -1,0 +1,25 @@
+//! Pure Rust CPU kernels for torchgraft: RMSNorm forward and backward over contiguous row-major
+//! buffers, generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]).
+//!
+//! The kernels are SIMD, chosen at run time ([`Isa`]: AVX-512, AVX2 + FMA + F16C, or portable
+//! Rust), and run near memory bandwidth: the forward pass reads each row from memory once (the
+//! second pass, which writes `y`, finds it in cache), the backward pass reads `x` and `dy` once.
+//! Parallelism comes only from the caller's [`Parallel`] (torch's intra-op pool in torchgraft);
+//! [`Serial`] and [`Threads`] serve tests and benchmarks.
+//!
+//! No torch dependency: the numerics follow PyTorch's reference composites for
+//! `aten::_fused_rms_norm` and `aten::_fused_rms_norm_backward`.
+
+mod blocks;
+pub mod convert;
+mod dispatch;
+mod float;
+mod isa;
+mod parallel;
+pub mod rms_norm;
+mod rows;
+mod simd;
+
+pub use float::{Acc, Float};
+pub use isa::{with_isa, Isa};
+pub use parallel::{Parallel, Serial, Threads};

@@ -1,0 +1,186 @@
+//! RMSNorm over the last dimension of a contiguous row-major `rows x cols` buffer, with the
+//! semantics of PyTorch's `_fused_rms_norm` / `_fused_rms_norm_backward` reference composite.
+
+use crate::blocks;
+use crate::dispatch::kernels;
+use crate::float::{Acc, Float};
+use crate::parallel::Parallel;
+use crate::rows::{BackwardRows, ForwardRows};
+
+/// Forward work per block, in elements (rows are never split). Blocks are the unit tasks own.
+const FORWARD_BLOCK_ELEMS: usize = 1 << 14;
+/// Backward blocks per call at most: one weight-gradient partial (`cols` values) each.
+const BACKWARD_MAX_BLOCKS: usize = 32;
+/// Backward work per block at least, in elements.
+const BACKWARD_MIN_BLOCK_ELEMS: usize = 1 << 14;
+
+/// y = (x * rstd) * weight per row, rstd = 1 / sqrt(mean(x^2) + eps), all in T::Acc.
+/// x, y: rows*cols; rstd: rows; weight: cols.
+///
+/// With `cols == 0`, rstd is NaN (the mean of an empty row). Parallel work goes through `par`.
+///
+/// # Panics
+/// If a slice's length does not match `rows`/`cols`.
+#[allow(clippy::too_many_arguments)] // the signature the callers code against
+pub fn forward<T: Float>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    weight: Option<&[T::Acc]>,
+    eps: T::Acc,
+    y: &mut [T],
+    rstd: &mut [T::Acc],
+    par: &dyn Parallel,
+) {
+    const FN: &str = "rms_norm::forward";
+    let len = elements(FN, rows, cols);
+    check_len(FN, "x", x.len(), len);
+    check_len(FN, "y", y.len(), len);
+    check_len(FN, "rstd", rstd.len(), rows);
+    if let Some(weight) = weight {
+        check_len(FN, "weight", weight.len(), cols);
+    }
+    if rows == 0 {
+        return;
+    }
+    if cols == 0 {
+        rstd.fill(T::Acc::NAN);
+        return;
+    }
+
+    let ones;
+    let weight = match weight {
+        Some(weight) => weight,
+        None => {
+            ones = vec![T::Acc::ONE; cols];
+            &ones[..]
+        }
+    };
+    let kernels = kernels::<T>();
+    let block_rows = (FORWARD_BLOCK_ELEMS / cols).max(1);
+    let block_elems = block_rows * cols;
+    let pieces: Vec<_> = y
+        .chunks_mut(block_elems)
+        .zip(rstd.chunks_mut(block_rows))
+        .collect();
+    blocks::for_each(par, pieces, block_elems, |b, (y, rstd)| {
+        let x = &x[b * block_elems..][..y.len()];
+        (kernels.forward)(ForwardRows {
+            x,
+            y,
+            rstd,
+            cols,
+            weight,
+            eps,
+        });
+    });
+}
+
+/// xhat = x * rstd, g = dy * weight (or dy), dx = rstd * (g - xhat * mean(g * xhat)),
+/// dw = sum over rows of dy * xhat. dx/dw are computed only when Some.
+///
+/// dw is deterministic: rows are summed in blocks fixed by `rows` and `cols` alone, then the
+/// blocks in order, so its bits do not depend on `par`. With `rows == 0`, dw is zero.
+///
+/// # Panics
+/// If a slice's length does not match `rows`/`cols`.
+#[allow(clippy::too_many_arguments)] // the signature the callers code against
+pub fn backward<T: Float>(
+    dy: &[T],
+    x: &[T],
+    rstd: &[T::Acc],
+    rows: usize,
+    cols: usize,
+    weight: Option<&[T::Acc]>,
+    dx: Option<&mut [T]>,
+    dw: Option<&mut [T::Acc]>,
+    par: &dyn Parallel,
+) {
+    const FN: &str = "rms_norm::backward";
+    let len = elements(FN, rows, cols);
+    check_len(FN, "dy", dy.len(), len);
+    check_len(FN, "x", x.len(), len);
+    check_len(FN, "rstd", rstd.len(), rows);
+    if let Some(weight) = weight {
+        check_len(FN, "weight", weight.len(), cols);
+    }
+    if let Some(dx) = dx.as_deref() {
+        check_len(FN, "dx", dx.len(), len);
+    }
+    if let Some(dw) = dw.as_deref() {
+        check_len(FN, "dw", dw.len(), cols);
+    }
+    if rows == 0 || cols == 0 || (dx.is_none() && dw.is_none()) {
+        if let Some(dw) = dw {
+            dw.fill(T::Acc::ZERO);
+        }
+        return;
+    }
+
+    let ones;
+    let weight = match weight {
+        Some(weight) => weight,
+        None => {
+            ones = vec![T::Acc::ONE; cols];
+            &ones[..]
+        }
+    };
+    let kernels = kernels::<T>();
+    let block_rows = rows
+        .div_ceil(BACKWARD_MAX_BLOCKS)
+        .max(BACKWARD_MIN_BLOCK_ELEMS.div_ceil(cols));
+    let block_elems = block_rows * cols;
+    let n_blocks = rows.div_ceil(block_rows);
+
+    // One weight-gradient partial per block, reduced in block order below.
+    let mut partials = match dw {
+        Some(_) => vec![T::Acc::ZERO; n_blocks * cols],
+        None => Vec::new(),
+    };
+    let mut dx_blocks = dx.map(|dx| dx.chunks_mut(block_elems));
+    let mut dw_blocks = dw.is_some().then(|| partials.chunks_mut(cols));
+    let pieces: Vec<_> = (0..n_blocks)
+        .map(|_| {
+            let dx = dx_blocks.as_mut().and_then(Iterator::next);
+            let dw = dw_blocks.as_mut().and_then(Iterator::next);
+            (dx, dw)
+        })
+        .collect();
+    blocks::for_each(par, pieces, block_elems, |b, (dx, dw)| {
+        let start = b * block_elems;
+        let end = (start + block_elems).min(len);
+        (kernels.backward)(BackwardRows {
+            dy: &dy[start..end],
+            x: &x[start..end],
+            rstd: &rstd[b * block_rows..][..(end - start) / cols],
+            cols,
+            weight,
+            dx,
+            dw,
+        });
+    });
+
+    if let Some(dw) = dw {
+        let mut parts = partials.chunks_exact(cols);
+        dw.copy_from_slice(parts.next().expect("rows > 0 makes one block at least"));
+        for part in parts {
+            (kernels.accumulate)(dw, part);
+        }
+    }
+}
+
+/// `rows * cols`, or a panic naming `func` when it overflows.
+#[track_caller]
+fn elements(func: &str, rows: usize, cols: usize) -> usize {
+    rows.checked_mul(cols)
+        .unwrap_or_else(|| panic!("{func}: rows * cols = {rows} * {cols} overflows usize"))
+}
+
+/// Panics, naming `func` and the slice, unless `got == want`.
+#[track_caller]
+fn check_len(func: &str, what: &str, got: usize, want: usize) {
+    assert!(
+        got == want,
+        "{func}: `{what}` has {got} elements, expected {want}"
+    );
+}

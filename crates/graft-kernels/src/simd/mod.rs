@@ -1,0 +1,96 @@
+//! The vector abstraction the row kernels are written against, and its implementations.
+//!
+//! A *token* type (`Portable`, `x86::Avx2`, `x86::Avx512`) implements [`Simd`] for the
+//! accumulation types; element types implement [`Lanes`] for the tokens they can be loaded with.
+//! An x86 token can only be obtained after run-time feature detection succeeds, which is what
+//! makes its methods sound; they are `#[inline(always)]` so that they compile, inlined, into the
+//! `#[target_feature]` entry points in `x86`.
+
+use crate::float::{Acc, Float};
+
+pub(crate) mod portable;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86;
+
+/// The widest vector any token has, in lanes (AVX-512 with `f32`): the size of tail buffers.
+pub(crate) const MAX_LANES: usize = 16;
+
+/// Vector arithmetic on lanes of `A`, available through the token `Self`.
+pub(crate) trait Simd<A: Acc>: Copy {
+    /// A vector of `LANES` values of `A`.
+    type V: Copy;
+    /// Lanes per vector (at most [`MAX_LANES`]).
+    const LANES: usize;
+    /// Every lane set to `v`.
+    fn splat(self, v: A) -> Self::V;
+    /// Lane-wise `a + b`.
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `a * b`.
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `a * b + c`, fused (one rounding) where the instruction set has FMA.
+    fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// The sum of the lanes, in a fixed order.
+    fn sum(self, v: Self::V) -> A;
+    /// Hints that the cache line holding `data[0]` will be read soon. A hint only: it never
+    /// faults (also for an empty `data`), and the portable token ignores it.
+    #[inline(always)]
+    fn prefetch<E>(self, data: &[E]) {
+        let _ = data;
+    }
+}
+
+/// Loading and storing element type `Self` as vectors of `Self::Acc` with the token `S`.
+pub(crate) trait Lanes<S>: Float
+where
+    S: Simd<Self::Acc>,
+{
+    /// Widens `src[..S::LANES]` for arithmetic. Panics if `src` is shorter.
+    ///
+    /// Like [`Float::to_acc`], except that a signaling NaN may stay signaling: arithmetic turns
+    /// it into the same quiet NaN that `to_acc` gives, so results do not change.
+    fn load(s: S, src: &[Self]) -> S::V;
+    /// Widens `src[..S::LANES]` exactly as [`Float::to_acc`] (for conversions).
+    #[inline(always)]
+    fn load_exact(s: S, src: &[Self]) -> S::V {
+        Self::load(s, src)
+    }
+    /// Narrows `v` into `dst[..S::LANES]` (rounding as [`Float::from_acc`]). Panics if `dst` is
+    /// shorter.
+    fn store(s: S, v: S::V, dst: &mut [Self]);
+}
+
+/// Loads fewer than `S::LANES` elements; the missing lanes read as zero.
+#[inline(always)]
+pub(crate) fn load_part<S, T>(s: S, src: &[T]) -> S::V
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+{
+    let mut buf = [T::default(); MAX_LANES];
+    buf[..src.len()].copy_from_slice(src);
+    T::load(s, &buf)
+}
+
+/// [`Lanes::load_exact`] of fewer than `S::LANES` elements; the missing lanes read as zero.
+#[inline(always)]
+pub(crate) fn load_exact_part<S, T>(s: S, src: &[T]) -> S::V
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+{
+    let mut buf = [T::default(); MAX_LANES];
+    buf[..src.len()].copy_from_slice(src);
+    T::load_exact(s, &buf)
+}
+
+/// Stores the first `dst.len()` (fewer than `S::LANES`) lanes of `v`.
+#[inline(always)]
+pub(crate) fn store_part<S, T>(s: S, v: S::V, dst: &mut [T])
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+{
+    let mut buf = [T::default(); MAX_LANES];
+    T::store(s, v, &mut buf);
+    dst.copy_from_slice(&buf[..dst.len()]);
+}

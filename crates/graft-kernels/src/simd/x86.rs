@@ -1,0 +1,558 @@
+//! x86-64 tokens: [`Avx2`] (AVX2 + FMA + F16C, 256-bit) and [`Avx512`] (AVX-512F on top, 512-bit).
+//!
+//! This module holds the crate's `unsafe` code. Every intrinsic call relies on one invariant: a
+//! token value exists only if `detect()` found its features on this CPU (the tokens' only field is
+//! private, so nothing else can make one). Loads and stores also check their slice's length.
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::{Lanes, Simd};
+use crate::dispatch::Kernels;
+use crate::float::Acc;
+use crate::rows::{self, BackwardRows, ForwardRows};
+
+/// Token for AVX2, FMA and F16C.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2 {
+    _detected: (),
+}
+
+/// Token for AVX-512F, AVX2, FMA and F16C.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512 {
+    _detected: (),
+}
+
+impl Avx2 {
+    /// The token, if this CPU has the features.
+    pub(crate) fn detect() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Avx2 { _detected: () })
+    }
+}
+
+impl From<Avx512> for Avx2 {
+    /// AVX-512 tokens are only made on CPUs that also have AVX2, FMA and F16C.
+    fn from(_: Avx512) -> Avx2 {
+        Avx2 { _detected: () }
+    }
+}
+
+impl Avx512 {
+    /// The token, if this CPU has the features.
+    pub(crate) fn detect() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx512f") && Avx2::detect().is_some();
+        ok.then_some(Avx512 { _detected: () })
+    }
+}
+
+/// Entry points: the generic row kernels compiled with the token's target features, and the
+/// [`Kernels`] table of them.
+macro_rules! entry_points {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// The table of this token's kernels for `T`.
+            pub(crate) fn kernels<T>() -> Kernels<T>
+            where
+                T: Lanes<$token>,
+                T::Acc: Lanes<$token>,
+                $token: Simd<T::Acc>,
+            {
+                Kernels {
+                    forward: |rows| $token::get().forward(rows),
+                    backward: |rows| $token::get().backward(rows),
+                    widen: |src, dst| $token::get().widen(src, dst),
+                    narrow: |src, dst| $token::get().narrow(src, dst),
+                    accumulate: |acc, part| $token::get().accumulate(acc, part),
+                }
+            }
+
+            /// The token; tables are only built for available tokens, so this cannot fail.
+            fn get() -> Self {
+                Self::detect().expect(concat!(
+                    stringify!($token),
+                    " kernels called on a CPU without it"
+                ))
+            }
+
+            fn forward<T>(self, rows: ForwardRows<'_, T>)
+            where
+                T: Lanes<$token>,
+                T::Acc: Lanes<$token>,
+                $token: Simd<T::Acc>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T>(s: $token, rows: ForwardRows<'_, T>)
+                where
+                    T: Lanes<$token>,
+                    T::Acc: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                {
+                    rows::forward(s, rows)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, rows) }
+            }
+
+            fn backward<T>(self, rows: BackwardRows<'_, T>)
+            where
+                T: Lanes<$token>,
+                T::Acc: Lanes<$token>,
+                $token: Simd<T::Acc>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T>(s: $token, rows: BackwardRows<'_, T>)
+                where
+                    T: Lanes<$token>,
+                    T::Acc: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                {
+                    rows::backward(s, rows)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, rows) }
+            }
+
+            fn widen<T>(self, src: &[T], dst: &mut [T::Acc])
+            where
+                T: Lanes<$token>,
+                T::Acc: Lanes<$token>,
+                $token: Simd<T::Acc>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T>(s: $token, src: &[T], dst: &mut [T::Acc])
+                where
+                    T: Lanes<$token>,
+                    T::Acc: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                {
+                    rows::widen(s, src, dst)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, src, dst) }
+            }
+
+            fn narrow<T>(self, src: &[T::Acc], dst: &mut [T])
+            where
+                T: Lanes<$token>,
+                T::Acc: Lanes<$token>,
+                $token: Simd<T::Acc>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T>(s: $token, src: &[T::Acc], dst: &mut [T])
+                where
+                    T: Lanes<$token>,
+                    T::Acc: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                {
+                    rows::narrow(s, src, dst)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, src, dst) }
+            }
+
+            fn accumulate<A>(self, acc: &mut [A], part: &[A])
+            where
+                A: Acc + Lanes<$token>,
+                $token: Simd<A>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<A>(s: $token, acc: &mut [A], part: &[A])
+                where
+                    A: Acc + Lanes<$token>,
+                    $token: Simd<A>,
+                {
+                    rows::accumulate(s, acc, part)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, acc, part) }
+            }
+        }
+    };
+}
+
+entry_points!(Avx2, "avx2,fma,f16c");
+entry_points!(Avx512, "avx512f,avx2,fma,f16c");
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: f32 in __m256 (8 lanes), f64 in __m256d (4 lanes).
+
+impl Simd<f32> for Avx2 {
+    type V = __m256;
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    fn splat(self, v: f32) -> __m256 {
+        // SAFETY: the token proves AVX2 (see module docs).
+        unsafe { _mm256_set1_ps(v) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token proves AVX2.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token proves AVX2.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: the token proves FMA.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn sum(self, v: __m256) -> f32 {
+        // SAFETY: the token proves AVX2.
+        unsafe {
+            let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
+        }
+    }
+    #[inline(always)]
+    fn prefetch<E>(self, data: &[E]) {
+        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
+    }
+}
+
+impl Simd<f64> for Avx2 {
+    type V = __m256d;
+    const LANES: usize = 4;
+
+    #[inline(always)]
+    fn splat(self, v: f64) -> __m256d {
+        // SAFETY: the token proves AVX2.
+        unsafe { _mm256_set1_pd(v) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m256d, b: __m256d) -> __m256d {
+        // SAFETY: the token proves AVX2.
+        unsafe { _mm256_add_pd(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256d, b: __m256d) -> __m256d {
+        // SAFETY: the token proves AVX2.
+        unsafe { _mm256_mul_pd(a, b) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m256d, b: __m256d, c: __m256d) -> __m256d {
+        // SAFETY: the token proves FMA.
+        unsafe { _mm256_fmadd_pd(a, b, c) }
+    }
+    #[inline(always)]
+    fn sum(self, v: __m256d) -> f64 {
+        // SAFETY: the token proves AVX2.
+        unsafe {
+            let v = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd::<1>(v));
+            _mm_cvtsd_f64(_mm_add_sd(v, _mm_unpackhi_pd(v, v)))
+        }
+    }
+    #[inline(always)]
+    fn prefetch<E>(self, data: &[E]) {
+        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
+    }
+}
+
+impl Avx2 {
+    /// Writes the 32 bytes `bits` to `dst` (exactly 32 bytes).
+    #[inline(always)]
+    fn put<T>(self, dst: &mut [T], bits: __m256i) {
+        assert_eq!(std::mem::size_of_val(dst), 32);
+        // SAFETY: the token proves AVX; `dst` spans the 32 bytes written.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), bits) }
+    }
+
+    /// Writes the 16 bytes `bits` to `dst` (exactly 16 bytes).
+    #[inline(always)]
+    fn put_half<T>(self, dst: &mut [T], bits: __m128i) {
+        assert_eq!(std::mem::size_of_val(dst), 16);
+        // SAFETY: the token proves SSE2; `dst` spans the 16 bytes written.
+        unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), bits) }
+    }
+
+    /// Reads 16 bytes from `src` (exactly 16 bytes).
+    #[inline(always)]
+    fn get_half<T>(self, src: &[T]) -> __m128i {
+        assert_eq!(std::mem::size_of_val(src), 16);
+        // SAFETY: the token proves SSE2; `src` spans the 16 bytes read.
+        unsafe { _mm_loadu_si128(src.as_ptr().cast()) }
+    }
+
+    /// f32 lanes rounded to bf16 (nearest even; NaN kept, quieted), packed.
+    #[inline(always)]
+    fn to_bf16(self, v: __m256) -> __m128i {
+        // SAFETY: the token proves AVX2.
+        unsafe {
+            let bits = _mm256_castps_si256(v);
+            let high = _mm256_srli_epi32::<16>(bits);
+            // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
+            let bias = _mm256_add_epi32(
+                _mm256_and_si256(high, _mm256_set1_epi32(1)),
+                _mm256_set1_epi32(0x7fff),
+            );
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
+            // NaN: keep sign and leading payload, set the quiet bit.
+            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            let halves = _mm256_blendv_epi8(rounded, quiet, nan);
+            // Pack the eight 32-bit lanes (all < 2^16) into 16 bytes.
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(halves, halves));
+            _mm256_castsi256_si128(packed)
+        }
+    }
+}
+
+impl Lanes<Avx2> for f32 {
+    #[inline(always)]
+    fn load(_: Avx2, src: &[f32]) -> __m256 {
+        let src = &src[..8];
+        // SAFETY: the token proves AVX; `src` holds the 8 values read.
+        unsafe { _mm256_loadu_ps(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256, dst: &mut [f32]) {
+        // SAFETY: the token proves AVX.
+        s.put(&mut dst[..8], unsafe { _mm256_castps_si256(v) })
+    }
+}
+
+impl Lanes<Avx2> for f64 {
+    #[inline(always)]
+    fn load(_: Avx2, src: &[f64]) -> __m256d {
+        let src = &src[..4];
+        // SAFETY: the token proves AVX; `src` holds the 4 values read.
+        unsafe { _mm256_loadu_pd(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256d, dst: &mut [f64]) {
+        // SAFETY: the token proves AVX.
+        s.put(&mut dst[..4], unsafe { _mm256_castpd_si256(v) })
+    }
+}
+
+impl Lanes<Avx2> for bf16 {
+    #[inline(always)]
+    fn load(s: Avx2, src: &[bf16]) -> __m256 {
+        let bits = s.get_half(&src[..8]);
+        // SAFETY: the token proves AVX2. A bf16 is the high half of the f32 of the same value.
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits))) }
+    }
+    #[inline(always)]
+    fn load_exact(s: Avx2, src: &[bf16]) -> __m256 {
+        let v = Self::load(s, src);
+        // SAFETY: the token proves AVX. Sets the quiet bit of NaNs, as `half` does.
+        unsafe {
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            let quiet_bit = _mm256_castsi256_ps(_mm256_set1_epi32(0x40_0000));
+            _mm256_or_ps(v, _mm256_and_ps(nan, quiet_bit))
+        }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256, dst: &mut [bf16]) {
+        s.put_half(&mut dst[..8], s.to_bf16(v))
+    }
+}
+
+impl Lanes<Avx2> for f16 {
+    #[inline(always)]
+    fn load(s: Avx2, src: &[f16]) -> __m256 {
+        let bits = s.get_half(&src[..8]);
+        // SAFETY: the token proves F16C.
+        unsafe { _mm256_cvtph_ps(bits) }
+    }
+    #[inline(always)]
+    fn store(s: Avx2, v: __m256, dst: &mut [f16]) {
+        // SAFETY: the token proves F16C.
+        let bits = unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) };
+        s.put_half(&mut dst[..8], bits)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512: f32 in __m512 (16 lanes), f64 in __m512d (8 lanes).
+
+impl Simd<f32> for Avx512 {
+    type V = __m512;
+    const LANES: usize = 16;
+
+    #[inline(always)]
+    fn splat(self, v: f32) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_set1_ps(v) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn sum(self, v: __m512) -> f32 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    fn prefetch<E>(self, data: &[E]) {
+        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
+    }
+}
+
+impl Simd<f64> for Avx512 {
+    type V = __m512d;
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    fn splat(self, v: f64) -> __m512d {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_set1_pd(v) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512d, b: __m512d) -> __m512d {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_add_pd(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512d, b: __m512d) -> __m512d {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_mul_pd(a, b) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m512d, b: __m512d, c: __m512d) -> __m512d {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_fmadd_pd(a, b, c) }
+    }
+    #[inline(always)]
+    fn sum(self, v: __m512d) -> f64 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_reduce_add_pd(v) }
+    }
+    #[inline(always)]
+    fn prefetch<E>(self, data: &[E]) {
+        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
+    }
+}
+
+impl Avx512 {
+    /// Writes the 64 bytes `bits` to `dst` (exactly 64 bytes).
+    #[inline(always)]
+    fn put<T>(self, dst: &mut [T], bits: __m512i) {
+        assert_eq!(std::mem::size_of_val(dst), 64);
+        // SAFETY: the token proves AVX-512F; `dst` spans the 64 bytes written.
+        unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), bits) }
+    }
+
+    /// Reads 32 bytes from `src` (exactly 32 bytes).
+    #[inline(always)]
+    fn get_half<T>(self, src: &[T]) -> __m256i {
+        assert_eq!(std::mem::size_of_val(src), 32);
+        // SAFETY: the token proves AVX; `src` spans the 32 bytes read.
+        unsafe { _mm256_loadu_si256(src.as_ptr().cast()) }
+    }
+
+    /// f32 lanes rounded to bf16 (nearest even; NaN kept, quieted), packed.
+    #[inline(always)]
+    fn to_bf16(self, v: __m512) -> __m256i {
+        // SAFETY: the token proves AVX-512F.
+        unsafe {
+            let bits = _mm512_castps_si512(v);
+            let high = _mm512_srli_epi32::<16>(bits);
+            // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
+            let bias = _mm512_add_epi32(
+                _mm512_and_si512(high, _mm512_set1_epi32(1)),
+                _mm512_set1_epi32(0x7fff),
+            );
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
+            // NaN: keep sign and leading payload, set the quiet bit.
+            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
+        }
+    }
+}
+
+impl Lanes<Avx512> for f32 {
+    #[inline(always)]
+    fn load(_: Avx512, src: &[f32]) -> __m512 {
+        let src = &src[..16];
+        // SAFETY: the token proves AVX-512F; `src` holds the 16 values read.
+        unsafe { _mm512_loadu_ps(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(s: Avx512, v: __m512, dst: &mut [f32]) {
+        // SAFETY: the token proves AVX-512F.
+        s.put(&mut dst[..16], unsafe { _mm512_castps_si512(v) })
+    }
+}
+
+impl Lanes<Avx512> for f64 {
+    #[inline(always)]
+    fn load(_: Avx512, src: &[f64]) -> __m512d {
+        let src = &src[..8];
+        // SAFETY: the token proves AVX-512F; `src` holds the 8 values read.
+        unsafe { _mm512_loadu_pd(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(s: Avx512, v: __m512d, dst: &mut [f64]) {
+        // SAFETY: the token proves AVX-512F.
+        s.put(&mut dst[..8], unsafe { _mm512_castpd_si512(v) })
+    }
+}
+
+impl Lanes<Avx512> for bf16 {
+    #[inline(always)]
+    fn load(s: Avx512, src: &[bf16]) -> __m512 {
+        let bits = s.get_half(&src[..16]);
+        // SAFETY: the token proves AVX-512F. A bf16 is the high half of the f32 of the same
+        // value.
+        unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits))) }
+    }
+    #[inline(always)]
+    fn load_exact(s: Avx512, src: &[bf16]) -> __m512 {
+        let v = Self::load(s, src);
+        // SAFETY: the token proves AVX-512F. Sets the quiet bit of NaNs, as `half` does.
+        unsafe {
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let bits = _mm512_castps_si512(v);
+            let quiet = _mm512_mask_or_epi32(bits, nan, bits, _mm512_set1_epi32(0x40_0000));
+            _mm512_castsi512_ps(quiet)
+        }
+    }
+    #[inline(always)]
+    fn store(s: Avx512, v: __m512, dst: &mut [bf16]) {
+        Avx2::from(s).put(&mut dst[..16], s.to_bf16(v))
+    }
+}
+
+impl Lanes<Avx512> for f16 {
+    #[inline(always)]
+    fn load(s: Avx512, src: &[f16]) -> __m512 {
+        let bits = s.get_half(&src[..16]);
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_cvtph_ps(bits) }
+    }
+    #[inline(always)]
+    fn store(s: Avx512, v: __m512, dst: &mut [f16]) {
+        // SAFETY: the token proves AVX-512F.
+        let bits =
+            unsafe { _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) };
+        Avx2::from(s).put(&mut dst[..16], bits)
+    }
+}
