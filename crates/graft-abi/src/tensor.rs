@@ -179,7 +179,7 @@ impl Tensor {
             return Ok((NonNull::dangling().as_ptr(), 0));
         }
         crate::ensure!(
-            ptr as usize % std::mem::align_of::<T>() == 0,
+            (ptr as usize).is_multiple_of(std::mem::align_of::<T>()),
             "tensor data is not aligned for {}",
             T::DTYPE
         );

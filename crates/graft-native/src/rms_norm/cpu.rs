@@ -5,7 +5,7 @@
 //! calls `_fused_rms_norm_backward`: both ops are grafted together.
 
 use graft_abi::{DType, Device, Element, Kernel, NewTensor, Result, Tensor};
-use graft_kernels::{rms_norm, Float};
+use graft_kernels::{convert, rms_norm, Float};
 use half::{bf16, f16};
 
 use super::{
@@ -20,12 +20,10 @@ pub static FORWARD: Counters = Counters::new();
 /// Calls of the backward graft.
 pub static BACKWARD: Counters = Counters::new();
 
-/// The accumulation types, with the conversions this module needs.
+/// The accumulation types (f32, f64), with the conversions this module needs.
 trait AccValue: Element + graft_kernels::Acc {
     fn of_f64(v: f64) -> Self;
     fn of_f32(v: f32) -> Self;
-    fn as_f32(self) -> f32;
-    fn as_f64(self) -> f64;
 }
 
 impl AccValue for f32 {
@@ -34,12 +32,6 @@ impl AccValue for f32 {
     }
     fn of_f32(v: f32) -> f32 {
         v
-    }
-    fn as_f32(self) -> f32 {
-        self
-    }
-    fn as_f64(self) -> f64 {
-        f64::from(self)
     }
 }
 
@@ -50,50 +42,44 @@ impl AccValue for f64 {
     fn of_f32(v: f32) -> f64 {
         f64::from(v)
     }
-    fn as_f32(self) -> f32 {
-        self as f32
-    }
-    fn as_f64(self) -> f64 {
-        self
-    }
 }
 
-/// The values of a contiguous CPU float tensor of any float dtype, in the accumulation type.
-fn read_as_acc<A: AccValue>(t: &Tensor) -> Result<Vec<A>> {
-    let t = contiguous(t)?;
-    Ok(match t.dtype()? {
-        DType::F32 => t.as_slice::<f32>()?.iter().map(|&v| A::of_f32(v)).collect(),
-        DType::F64 => t.as_slice::<f64>()?.iter().map(|&v| A::of_f64(v)).collect(),
-        DType::BF16 => t
+/// A weight's values in the accumulation type of inputs of type `T`. The weight normally has
+/// `T`'s dtype (vectorized conversion); direct calls may pass any float dtype.
+fn weight_as_acc<T>(weight: &Tensor) -> Result<Vec<T::Acc>>
+where
+    T: Float + Element,
+    T::Acc: AccValue,
+{
+    let w = contiguous(weight)?;
+    Ok(match w.dtype()? {
+        d if d == T::DTYPE => convert::to_acc_vec(w.as_slice::<T>()?),
+        DType::F32 => w
+            .as_slice::<f32>()?
+            .iter()
+            .map(|&v| T::Acc::of_f32(v))
+            .collect(),
+        DType::F64 => w
+            .as_slice::<f64>()?
+            .iter()
+            .map(|&v| T::Acc::of_f64(v))
+            .collect(),
+        DType::BF16 => w
             .as_slice::<bf16>()?
             .iter()
-            .map(|&v| A::of_f32(v.to_acc()))
+            .map(|&v| T::Acc::of_f32(v.to_acc()))
             .collect(),
-        DType::F16 => t
+        DType::F16 => w
             .as_slice::<f16>()?
             .iter()
-            .map(|&v| A::of_f32(v.to_acc()))
+            .map(|&v| T::Acc::of_f32(v.to_acc()))
             .collect(),
-        other => return Err(graft_abi::Error::msg(format!("unexpected dtype {other}"))),
+        other => {
+            return Err(graft_abi::Error::msg(format!(
+                "unexpected weight dtype {other}"
+            )))
+        }
     })
-}
-
-/// Writes accumulation-type values into a fresh tensor of any float dtype, rounding to it.
-fn write_from_acc<A: AccValue>(src: &[A], dst: &mut NewTensor) -> Result<()> {
-    fn fill<T: Element>(dst: &mut NewTensor, src: impl Iterator<Item = T>) -> Result<()> {
-        dst.as_mut_slice::<T>()?
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, s)| *d = s);
-        Ok(())
-    }
-    match dst.tensor().dtype()? {
-        DType::F32 => fill(dst, src.iter().map(|a| a.as_f32())),
-        DType::F64 => fill(dst, src.iter().map(|a| a.as_f64())),
-        DType::BF16 => fill(dst, src.iter().map(|a| bf16::from_acc(a.as_f32()))),
-        DType::F16 => fill(dst, src.iter().map(|a| f16::from_acc(a.as_f32()))),
-        other => Err(graft_abi::Error::msg(format!("unexpected dtype {other}"))),
-    }
 }
 
 /// aten::_fused_rms_norm at the CPU key.
@@ -147,7 +133,7 @@ impl ForwardCall<'_> {
     {
         let dtype = T::DTYPE;
         let x = contiguous(self.input)?;
-        let weight = self.weight.map(read_as_acc::<T::Acc>).transpose()?;
+        let weight = self.weight.map(weight_as_acc::<T>).transpose()?;
         let eps = T::Acc::of_f64(self.eps.unwrap_or_else(|| default_eps(dtype)));
         let sizes = self.input.sizes()?;
         let mut y = NewTensor::empty(sizes, dtype, Device::CPU)?;
@@ -247,7 +233,7 @@ impl BackwardCall<'_> {
         // Direct calls may pass other dtypes than autograd would; convert them (rare).
         let dy = contiguous(&to_dtype(self.grad_out, dtype)?)?;
         let rstd = contiguous(&to_dtype(self.rstd, acc_dtype(dtype))?)?;
-        let weight = self.weight.map(read_as_acc::<T::Acc>).transpose()?;
+        let weight = self.weight.map(weight_as_acc::<T>).transpose()?;
         let sizes = self.input.sizes()?;
         let mut dx = self
             .want_dx
@@ -271,7 +257,7 @@ impl BackwardCall<'_> {
                 // In the input's dtype, like ATen's meta function (autograd casts it to the
                 // weight's dtype when the two differ).
                 let mut dw = NewTensor::empty(weight.sizes()?, dtype, Device::CPU)?;
-                write_from_acc(&dw_acc, &mut dw)?;
+                convert::from_acc::<T>(&dw_acc, dw.as_mut_slice()?);
                 Some(dw.finish())
             }
             None => None,
