@@ -86,6 +86,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # --- timing -------------------------------------------------------------------------------
 
 
+def graft_route() -> Any:
+    """F.rms_norm routed to the Triton impls by torchgraft's registry (the graft itself)."""
+    import torchgraft
+
+    torchgraft.disable()
+    return torchgraft.enabled(routes=["triton"])
+
+
 def make_timer(dev: str) -> Callable[[Callable[[], Any]], float]:
     """Median milliseconds of one call: do_bench on CUDA (L2 flushed between calls)."""
     if dev == "cuda":
@@ -173,7 +181,9 @@ def check_kernels(dev: str, quick: bool, dry: bool) -> dict[str, Any]:
         aten_errs = {}
         if dtype != torch.float64 and dev == "cuda":
             ya, ra = torch.ops.aten._fused_rms_norm(x, [n], w, eps)
-            dxa, dwa = torch.ops.aten._fused_rms_norm_backward(dy, x, [n], ra, w, [True, True])
+            # Autograd asks for dw only with a weight (ATen's kernel fails on dw without one).
+            mask = [True, w is not None]
+            dxa, dwa = torch.ops.aten._fused_rms_norm_backward(dy, x, [n], ra, w, mask)
             aten_errs = {"y": rel_err(ya, y_ref), "dx": rel_err(dxa, dx_ref, g_scale)}
             if w is not None:
                 aten_errs["dw"] = rel_err(dwa, dw_ref)
@@ -391,6 +401,9 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
         for name, fn in fwd.items():
             t["fwd"][name] = timer(fn)
             log(f"  fwd {name}: {t['fwd'][name]:.4f} ms")
+        with graft_route():
+            t["fwd"]["triton_graft"] = timer(lambda: F.rms_norm(x, (n,), w, eps))
+        log(f"  fwd triton_graft: {t['fwd']['triton_graft']:.4f} ms")
 
     _, rstd = torch.ops.aten._fused_rms_norm(x, [n], w, eps)
     xr = x.detach().requires_grad_(True)
@@ -402,6 +415,14 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
         "compile": lambda a, b: compiled(a, b, eps),
         "triton_op": lambda a, b: rms_norm(a, [n], b, eps),
     }
+    with graft_route():
+        y_graft = F.rms_norm(xr, (n,), wr, eps)
+        t["bwd"]["triton_graft"] = timer(
+            lambda: torch.autograd.grad(y_graft, (xr, wr), dy, retain_graph=True)
+        )
+        t["fwd+bwd"]["triton_graft"] = timer(
+            lambda: torch.autograd.grad(F.rms_norm(xr, (n,), wr, eps), (xr, wr), dy)
+        )
     for name, model in models.items():
         if name in ("aten", "triton_op"):
             continue  # their backward is timed directly below
@@ -458,7 +479,9 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
     ]
     if "compile" in b:
         targets.append(("bwd faster than compile", b["compile"] / b["triton_impl"], ">", 1.0))
-    targets.append(("fwd+bwd faster than compile", fb["compile"] / fb["triton_op"], ">", 1.0))
+    # The graft (F.rms_norm routed to the Triton impls, autograd included) is the product;
+    # the triton_op custom op is reported beside it.
+    targets.append(("fwd+bwd faster than compile", fb["compile"] / fb["triton_graft"], ">", 1.0))
     verdicts = []
     for label, value, op, limit in targets:
         ok = value <= limit if op == "<=" else value >= limit if op == ">=" else value > limit
@@ -621,8 +644,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"speed: FAILED TO RUN {s['error'][:300]}")
     else:
         print(f"speed at {tuple(s['shape'])} {s['dtype']}, median ms (do_bench):")
-        names = ["eager_upcast", "eager_same_dtype", "aten", "compile", "triton_impl", "triton_op",
-                 "triton_kernel"]  # fmt: skip
+        names = ["eager_upcast", "eager_same_dtype", "aten", "compile", "triton_graft",
+                 "triton_impl", "triton_op", "triton_kernel"]  # fmt: skip
         print(f"  {'':8s}" + "".join(f"{nm:>17s}" for nm in names))
         for phase in ("fwd", "bwd", "fwd+bwd"):
             ms = s["ms"][phase]
