@@ -28,6 +28,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// Dynamic shared memory declaration (a macro so that emu/ can run these kernels on the CPU).
+#ifndef GRAFT_DYN_SMEM
+#define GRAFT_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace graft {
 
 // ---------------------------------------------------------------------------------------
@@ -318,6 +323,40 @@ __device__ __forceinline__ void forget_all(Arr<E, N> (&r)[V]) {
   for (int k = 0; k < V; ++k) r[k].forget();
 }
 
+// Sums of squares and dot products of one unit, with two independent accumulators (even
+// and odd elements): short dependency chains, for accuracy as much as for speed. Callers
+// add unit sums into the thread's total, so no chain is longer than a row's units.
+template <typename E, int N>
+__device__ __forceinline__ typename AccOf<E>::type unit_sumsq(const Arr<E, N>& a) {
+  using A = typename AccOf<E>::type;
+  A s0 = A(0), s1 = A(0);
+#pragma unroll
+  for (int e = 0; e < N; e += 2) {
+    const A v0 = a.get(e), v1 = a.get(e + 1);
+    s0 = fma(v0, v0, s0);
+    s1 = fma(v1, v1, s1);
+  }
+  return s0 + s1;
+}
+
+// sum over the unit of (g * w) * (x * r), w absent when WE is NoWeight.
+template <typename E, typename WE, int N>
+__device__ __forceinline__ typename AccOf<E>::type unit_dot(const Arr<E, N>& g,
+                                                            const Arr<WE, N>& w,
+                                                            const Arr<E, N>& x,
+                                                            typename AccOf<E>::type r,
+                                                            bool has_w) {
+  using A = typename AccOf<E>::type;
+  A s[2] = {A(0), A(0)};
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    A gv = g.get(e);
+    if (has_w) gv *= A(w.get(e));
+    s[e & 1] = fma(gv, x.get(e) * r, s[e & 1]);
+  }
+  return s[0] + s[1];
+}
+
 // Sum over the `tpr` threads of a row group (all of them get the same bits: xor butterflies
 // add commutative pairs, and the cross-warp step reads shared memory in a fixed order).
 // `red` holds 32 values; callers alternate between two buffers so that one barrier per
@@ -373,13 +412,7 @@ __device__ __forceinline__ void fwd_rows(const FwdParams& p) {
 
     A ss = A(0);
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-#pragma unroll
-      for (int e = 0; e < VE; ++e) {
-        const A v = xr[k].get(e);
-        ss = fma(v, v, ss);
-      }
-    }
+    for (int k = 0; k < V; ++k) ss += unit_sumsq(xr[k]);
     ss = group_sum(ss, tpr, red[parity]);
     parity ^= 1;
     const A r = rsqrt_acc(ss * inv_cols + eps);
@@ -413,7 +446,7 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
   using WL = typename Cond<HAS_W, WT, A>::type;
 
   __shared__ A red[2][32];
-  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  GRAFT_DYN_SMEM(dyn_smem);
   const int tpr = int(p.tpr);
   const int rpb = int(p.rpb);
   const int cols = int(p.cols);
@@ -452,14 +485,7 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
       if constexpr (HAS_W) load_row(wr, w, cols, tpr, t, vec, true);
       A dot = A(0);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-#pragma unroll
-        for (int e = 0; e < VE; ++e) {
-          A gv = gr[k].get(e);
-          if constexpr (HAS_W) gv *= wr[k].get(e);
-          dot = fma(gv, xr[k].get(e) * r, dot);
-        }
-      }
+      for (int k = 0; k < V; ++k) dot += unit_dot(gr[k], wr[k], xr[k], r, HAS_W);
       dot = group_sum(dot, tpr, red[parity]);
       parity ^= 1;
       const A c = dot * inv_cols;
@@ -579,14 +605,10 @@ __device__ __forceinline__ void fwd_loop(const FwdParams& p) {
           xr[u].zero();
         }
       }
+      A it = A(0);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int e = 0; e < VE; ++e) {
-          const A v = xr[u].get(e);
-          ss = fma(v, v, ss);
-        }
-      }
+      for (int u = 0; u < U; ++u) it += unit_sumsq(xr[u]);
+      ss += it;
     }
     ss = group_sum(ss, nt, red[parity]);
     parity ^= 1;
@@ -621,7 +643,7 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
   using WL = typename Cond<HAS_W, WT, A>::type;
 
   __shared__ A red[2][32];
-  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  GRAFT_DYN_SMEM(dyn_smem);
   const int nt = blockDim.x;
   const int t = threadIdx.x;
   const long long cols = p.cols;
@@ -673,15 +695,10 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
             if constexpr (HAS_W) wr[u].zero();
           }
         }
+        A it = A(0);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-#pragma unroll
-          for (int e = 0; e < VE; ++e) {
-            A gv = gr[u].get(e);
-            if constexpr (HAS_W) gv *= wr[u].get(e);
-            dot = fma(gv, xr[u].get(e) * r, dot);
-          }
-        }
+        for (int u = 0; u < U; ++u) it += unit_dot(gr[u], wr[u], xr[u], r, HAS_W);
+        dot += it;
       }
       dot = group_sum(dot, nt, red[parity]);
       parity ^= 1;
