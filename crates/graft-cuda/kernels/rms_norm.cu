@@ -19,8 +19,9 @@
 // Both run a grid-stride loop over sets of `rpb` rows whose trip count is the same for
 // every thread of a block, so barriers and full-warp shuffles are reached by all threads.
 //
-// A unit is one 16-byte access when the host says `vec` (every row pointer 16-byte aligned
-// and cols * sizeof(T) % 16 == 0), else VE scalar accesses.
+// A unit is one 16-byte access on the vector path (every row pointer 16-byte aligned and
+// cols * sizeof(T) % 16 == 0: the `_v{V}` rows kernels, or `vec` = 1 for the loop
+// kernels), else VE scalar accesses (`_s{V}` rows kernels, `vec` = 0).
 //
 // dw is deterministic: each block of a persistent grid writes one partial row (in A) to the
 // workspace, and dw_finalize sums the partial rows in a fixed order.
