@@ -1,0 +1,354 @@
+// Runs the kernels of kernels/rms_norm.cu on the CPU (cuda_emu.h) over many shapes and
+// launch configurations (every V of every rows kernel, vector and scalar paths, sub-warp
+// and multi-warp row groups, several rows per block, grid-stride loops, the loop kernels,
+// dx/dw modes) and compares with a float64 reference. Outputs are poisoned with NaN first.
+// Build and run with emu/run.sh. Exit status 1 on any mismatch.
+
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "cuda_emu.h"
+#include "../kernels/rms_norm.cu"
+
+namespace {
+
+enum class DT { F32, F16, BF16, F64 };
+const char* dt_name(DT d) {
+  switch (d) {
+    case DT::F32: return "f32";
+    case DT::F16: return "f16";
+    case DT::BF16: return "bf16";
+    default: return "f64";
+  }
+}
+size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
+DT acc_of(DT d) { return d == DT::F64 ? DT::F64 : DT::F32; }
+enum class WK { None, Same, Acc };
+const char* wk_name(WK w) { return w == WK::None ? "none" : w == WK::Same ? "same" : "acc"; }
+
+// "Device" memory: 64-byte aligned host bytes.
+struct Mem {
+  unsigned char* p = nullptr;
+  size_t n = 0;
+  explicit Mem(size_t bytes) : n(bytes) {
+    p = static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64));
+  }
+  ~Mem() { std::free(p); }
+  Mem(const Mem&) = delete;
+  Mem& operator=(const Mem&) = delete;
+};
+
+void store(DT d, unsigned char* at, double v) {
+  switch (d) {
+    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
+    case DT::F64: std::memcpy(at, &v, 8); break;
+    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
+    case DT::BF16: {
+      // double -> float -> bf16 can round twice; inputs are generated exactly representable.
+      __nv_bfloat16 h = __float2bfloat16_rn(float(v));
+      std::memcpy(at, &h.bits, 2);
+      break;
+    }
+  }
+}
+double load(DT d, const unsigned char* at) {
+  switch (d) {
+    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
+    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
+    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
+    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
+  }
+}
+double round_to(DT d, double v) {
+  unsigned char b[8];
+  store(d, b, v);
+  return load(d, b);
+}
+void fill_nan(DT d, unsigned char* at, size_t n) {
+  for (size_t i = 0; i < n; ++i) store(d, at + i * dt_size(d), std::nan(""));
+}
+
+unsigned long long rng_state = 0x1234567;
+double unit() {
+  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+  return double(rng_state >> 11) / double(1ull << 53);
+}
+double signed_value() {
+  const double m = 0.25 + 1.75 * unit();
+  return unit() < 0.5 ? m : -m;
+}
+
+// ||out - ref|| / max(||ref||, scale). `scale` is the size the output has when its terms
+// do not cancel (dx: ||rstd * g||; dw: the typical size of a sum of random-sign terms):
+// where they cancel (cols == 1: dx ~ eps; a dw column summing to nearly 0) the relative
+// error grows in any precision and is measured against that size instead.
+double rel_err(const std::vector<double>& out, const std::vector<double>& ref, double scale = 0) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;
+    num += (out[i] - ref[i]) * (out[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  den = std::max(std::sqrt(den), scale);
+  return den == 0 ? std::sqrt(num) : std::sqrt(num) / den;
+}
+double tol(DT d) {
+  switch (d) {
+    case DT::F64: return 1e-12;
+    case DT::F32: return 1e-6;
+    case DT::F16: return 2e-3;
+    default: return 1e-2;
+  }
+}
+
+int failures = 0, checks = 0, launches = 0;
+
+void check(const std::string& what, DT d, const std::vector<double>& out,
+           const std::vector<double>& ref, double scale = 0) {
+  ++checks;
+  const double e = rel_err(out, ref, scale);
+  if (!(e <= tol(d))) {
+    ++failures;
+    std::printf("FAIL %s: rel err %.3e > %.0e\n", what.c_str(), e, tol(d));
+  }
+}
+
+void* kernel(const std::string& name) {
+  void* f = dlsym(RTLD_DEFAULT, name.c_str());
+  if (!f) {
+    std::printf("FAIL missing kernel %s\n", name.c_str());
+    std::exit(1);
+  }
+  return f;
+}
+
+unsigned group_threads(unsigned long need) {
+  if (need <= 32) {
+    unsigned t = 1;
+    while (t < need) t *= 2;
+    return t;
+  }
+  return unsigned((need + 31) / 32 * 32);
+}
+
+struct Config {
+  std::string name;  // kernel
+  long tpr = 0, rpb = 1;
+  unsigned block = 0, grid = 0;
+  size_t smem = 0;
+  bool vec = false;
+};
+
+// Rows-kernel configs for every V in the table plus the loop kernel.
+std::vector<Config> configs(bool fwd, DT d, WK w, long rows, long cols, bool vec) {
+  const char* dir = fwd ? "fwd" : "bwd";
+  const unsigned ve = 16 / dt_size(d);
+  const unsigned long nunits = (cols + ve - 1) / ve;
+  std::vector<std::pair<unsigned, unsigned>> table;
+  if (fwd) {
+    table = vec ? std::vector<std::pair<unsigned, unsigned>>{{1, 512}, {2, 512}, {4, 512}, {8, 512}, {16, 256}}
+                : std::vector<std::pair<unsigned, unsigned>>{{1, 512}, {4, 512}};
+  } else {
+    table = vec ? std::vector<std::pair<unsigned, unsigned>>{{1, 512}, {2, 512}, {4, 512}, {8, 256}}
+                : std::vector<std::pair<unsigned, unsigned>>{{1, 512}, {2, 512}};
+  }
+  const WK wn = (w == WK::Acc && (d == DT::F32 || d == DT::F64)) ? WK::Same : w;
+  std::vector<Config> out;
+  for (auto [v, maxt] : table) {
+    const unsigned tpr = group_threads((nunits + v - 1) / v);
+    if (tpr > maxt) continue;
+    // Up to 128 threads per block, whole warps, at most the rows needed.
+    const long per_warp = tpr < 32 ? 32 / tpr : 1;
+    long rpb = std::max<long>(1, 128 / tpr);
+    rpb = std::min<long>(rpb, (rows + per_warp - 1) / per_warp * per_warp);
+    rpb = (rpb + per_warp - 1) / per_warp * per_warp;
+    Config c;
+    c.name = std::string("graft_rms_") + dir + "_rows_" + dt_name(d) + "_" + wk_name(wn) + "_" +
+             (vec ? "v" : "s") + std::to_string(v);
+    c.tpr = tpr;
+    c.rpb = rpb;
+    c.block = unsigned(tpr * rpb);
+    const long sets = (rows + rpb - 1) / rpb;
+    c.grid = unsigned(std::min<long>(sets, 2));  // grid-stride loops when sets > 2
+    c.vec = vec;
+    if (!fwd) c.smem = size_t(rpb - 1) * tpr * v * ve * dt_size(acc_of(d));
+    out.push_back(c);
+  }
+  Config l;
+  l.name = std::string("graft_rms_") + dir + "_loop_" + dt_name(d) + "_" + wk_name(wn);
+  l.block = 64;
+  l.tpr = 64;
+  l.grid = unsigned(std::min<long>(rows, 2));
+  l.vec = vec;
+  out.push_back(l);
+  if (!fwd) {
+    l.smem = size_t(cols) * dt_size(acc_of(d));  // the dw partial row in shared memory
+    out.push_back(l);
+  }
+  return out;
+}
+
+void run_case(DT d, WK w, long rows, long cols, bool offset) {
+  const DT acc = acc_of(d);
+  const bool has_w = w != WK::None;
+  const DT wd = w == WK::Acc ? acc : d;
+  const size_t es = dt_size(d), as = dt_size(acc), ws = dt_size(wd);
+  const size_t n = size_t(rows) * cols;
+  const size_t off = offset ? 1 : 0;
+  const double eps = 1e-6;
+
+  std::vector<double> x(n), dy(n), wv(cols, 1.0);
+  for (auto& v : x) v = round_to(d, signed_value());
+  for (auto& v : dy) v = round_to(d, signed_value());
+  if (has_w)
+    for (auto& v : wv) v = round_to(wd, 0.5 + unit());
+
+  Mem X((n + 1) * es), Y((n + 1) * es), DY((n + 1) * es), DX((n + 1) * es);
+  Mem W((cols + 1) * 8), DW((cols + 1) * 8), R((rows + 1) * 8);
+  for (size_t i = 0; i < n; ++i) {
+    store(d, X.p + (off + i) * es, x[i]);
+    store(d, DY.p + (off + i) * es, dy[i]);
+  }
+  for (long j = 0; j < cols; ++j) store(wd, W.p + (off + j) * ws, wv[j]);
+
+  // Reference.
+  std::vector<double> yref(n), rref(rows), dxref(n), dwref(cols, 0.0);
+  for (long r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (long j = 0; j < cols; ++j) ss += x[r * cols + j] * x[r * cols + j];
+    const double rs = 1.0 / std::sqrt(ss / cols + eps);
+    rref[r] = rs;
+    for (long j = 0; j < cols; ++j) yref[r * cols + j] = x[r * cols + j] * rs * wv[j];
+  }
+  double gscale = 0;  // ||rstd * g||, the scale of dx's terms
+  std::vector<double> dwabs(cols, 0.0);  // for dw's scale: sum of |terms| / sqrt(rows)
+  std::vector<double> rin(rows);
+  for (long r = 0; r < rows; ++r) rin[r] = round_to(acc, rref[r]);
+  for (long r = 0; r < rows; ++r) {
+    double dot = 0;
+    for (long j = 0; j < cols; ++j) dot += dy[r * cols + j] * wv[j] * x[r * cols + j] * rin[r];
+    const double c = dot / cols;
+    for (long j = 0; j < cols; ++j) {
+      const double xh = x[r * cols + j] * rin[r];
+      dxref[r * cols + j] = (dy[r * cols + j] * wv[j] - xh * c) * rin[r];
+      gscale += std::pow(dy[r * cols + j] * wv[j] * rin[r], 2);
+      dwabs[j] += std::fabs(dy[r * cols + j] * xh);
+      dwref[j] += dy[r * cols + j] * xh;
+    }
+  }
+
+  const bool vec = !offset && (cols * es) % 16 == 0;
+  char label[160];
+  std::snprintf(label, sizeof label, "%s w=%s %ldx%ld%s", dt_name(d), wk_name(w), rows, cols,
+                offset ? " +1" : "");
+
+  // Forward, every config.
+  for (const Config& c : configs(true, d, w, rows, cols, vec)) {
+    fill_nan(d, Y.p + off * es, n);
+    fill_nan(acc, R.p + off * as, rows);
+    graft::FwdParams p{};
+    p.x = X.p + off * es;
+    p.w = has_w ? W.p + off * ws : nullptr;
+    p.y = Y.p + off * es;
+    p.rstd = R.p + off * as;
+    p.rows = rows;
+    p.cols = cols;
+    p.tpr = c.tpr;
+    p.rpb = c.rpb;
+    p.vec = c.vec;
+    p.eps = eps;
+    p.inv_cols = 1.0 / cols;
+    graft_emu::launch(reinterpret_cast<void (*)(graft::FwdParams)>(kernel(c.name)), c.grid,
+                      c.block, c.smem, p);
+    ++launches;
+    std::vector<double> y(n), r(rows);
+    for (size_t i = 0; i < n; ++i) y[i] = load(d, Y.p + (off + i) * es);
+    for (long i = 0; i < rows; ++i) r[i] = load(acc, R.p + (off + i) * as);
+    check(std::string(label) + " " + c.name + " y", d, y, yref);
+    check(std::string(label) + " " + c.name + " rstd", acc, r, rref);
+  }
+
+  // Backward, every config with dx+dw; the first config also dx-only and dw-only.
+  for (long i = 0; i < rows; ++i) store(acc, R.p + (off + i) * as, rin[i]);
+  bool first = true;
+  for (const Config& c : configs(false, d, w, rows, cols, vec)) {
+    std::vector<std::pair<bool, bool>> modes = {{true, has_w}};
+    if (first && has_w) modes.insert(modes.end(), {{true, false}, {false, true}});
+    first = false;
+    for (auto [want_dx, want_dw] : modes) {
+      fill_nan(d, DX.p + off * es, n);
+      fill_nan(wd, DW.p + off * ws, cols);
+      Mem part(size_t(c.grid) * cols * as + 16);
+      fill_nan(acc, part.p, size_t(c.grid) * cols);
+      graft::BwdParams p{};
+      p.dy = DY.p + off * es;
+      p.x = X.p + off * es;
+      p.rstd = R.p + off * as;
+      p.w = has_w ? W.p + off * ws : nullptr;
+      p.dx = want_dx ? DX.p + off * es : nullptr;
+      p.partial = want_dw ? part.p : nullptr;
+      p.rows = rows;
+      p.cols = cols;
+      p.tpr = c.tpr;
+      p.rpb = c.rpb;
+      p.vec = c.vec;
+      p.has_dx = want_dx;
+      p.has_dw = want_dw;
+      p.dw_smem = c.smem > 0 && c.name.find("_loop_") != std::string::npos;
+      p.inv_cols = 1.0 / cols;
+      graft_emu::launch(reinterpret_cast<void (*)(graft::BwdParams)>(kernel(c.name)), c.grid,
+                        c.block, c.smem, p);
+      ++launches;
+      if (want_dw) {
+        graft::FinalizeParams f{};
+        f.partial = part.p;
+        f.dw = DW.p + off * ws;
+        f.nparts = c.grid;
+        f.cols = cols;
+        const std::string fin = std::string("graft_rms_dw_finalize_") + dt_name(acc) + "_" +
+                                dt_name(wd);
+        graft_emu::launch(reinterpret_cast<void (*)(graft::FinalizeParams)>(kernel(fin)),
+                          unsigned((cols + 31) / 32), 256, 0, f);
+        ++launches;
+      }
+      const std::string tag = std::string(label) + " " + c.name + (want_dx ? " dx" : "") +
+                              (want_dw ? " dw" : "");
+      if (want_dx) {
+        std::vector<double> dxo(n);
+        for (size_t i = 0; i < n; ++i) dxo[i] = load(d, DX.p + (off + i) * es);
+        check(tag + " dx", d, dxo, dxref, std::sqrt(gscale));
+      }
+      if (want_dw) {
+        std::vector<double> dwo(cols);
+        for (long j = 0; j < cols; ++j) dwo[j] = load(wd, DW.p + (off + j) * ws);
+        double dwscale = 0;
+        for (double v : dwabs) dwscale += v * v;
+        check(tag + " dw", wd, dwo, dwref, std::sqrt(dwscale / double(rows)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  const DT dts[] = {DT::F32, DT::F16, DT::BF16, DT::F64};
+  const WK wks[] = {WK::None, WK::Same, WK::Acc};
+  std::vector<long> cols_list = {1, 7, 64, 100, 1000, 4096, 4097};
+  std::vector<long> rows_list = {1, 5};
+  if (quick) cols_list = {7, 1000, 4096};
+  for (DT d : dts)
+    for (WK w : wks)
+      for (long cols : cols_list)
+        for (long rows : rows_list)
+          for (bool offset : {false, true}) run_case(d, w, rows, cols, offset);
+  // Rows longer than any rows kernel covers: the loop kernels alone.
+  for (DT d : dts) run_case(d, WK::Same, 2, 70000, false);
+  run_case(DT::BF16, WK::Acc, 2, 70001, true);
+  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
+  return failures ? 1 : 0;
+}

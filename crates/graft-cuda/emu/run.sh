@@ -1,0 +1,11 @@
+#!/bin/sh
+# Runs kernels/rms_norm.cu on the CPU (no GPU needed): builds emu_test.cpp with g++
+# (C++20) and runs it. Pass --quick for fewer shapes.
+set -e
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${TMPDIR:-/tmp}/graft-cuda-emu-$$"
+g++ -std=c++20 -O2 -pthread -rdynamic -I"$here" "$here/emu_test.cpp" -o "$out" -ldl
+status=0
+"$out" "$@" || status=$?
+rm -f "$out"
+exit $status
