@@ -12,7 +12,7 @@ CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0
 PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2"
 DEPS_STAMP := $(VENV)/.torchgraft-deps-torch-$(TORCH)
 # graft-cuda's build script compiles the CUDA kernels with $NVCC when it is set.
-WITH_NVCC = NVCC="$$(ls $(VENV)/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
+WITH_NVCC = NVCC="$$(ls $(abspath $(VENV))/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
 
 .PHONY: demo test deps build test-rust test-host test-python lint fmt bench wheel clean
 

@@ -66,6 +66,18 @@ def grafts() -> list[NativeGraft]:
     return [NativeGraft(**g) for g in _native.grafts()]
 
 
+def build_info() -> dict[str, object]:
+    """What the extension was built with and found here (version, CUDA kernels, GPUs or why
+    the CUDA grafts are off); empty when the extension is not built."""
+    if not available():
+        return {}
+    import torch  # noqa: F401  (the CUDA status asks libtorch)
+
+    from torchgraft import _native
+
+    return dict(_native.build_info())
+
+
 def reset_stats() -> None:
     """Zero the native grafts' counters."""
     if available():

@@ -421,7 +421,7 @@ struct Sweep {
 /// Uploads `data` at `off` into `buf`, followed by guard bytes.
 fn put(buf: &DeviceBuffer, off: usize, data: &[u8]) -> Result<(), CudaError> {
     let mut v = data.to_vec();
-    v.extend(std::iter::repeat(GUARD_BYTE).take(GUARD));
+    v.extend(std::iter::repeat_n(GUARD_BYTE, GUARD));
     buf.upload(off, &v)
 }
 

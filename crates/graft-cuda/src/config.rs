@@ -108,7 +108,7 @@ pub fn choose_rows(
             tpr: tpr as u32,
             max_threads: maxt,
         };
-        if best.map_or(true, |(k, _)| key < k) {
+        if best.is_none_or(|(k, _)| key < k) {
             best = Some((key, shape));
         }
     }

@@ -191,7 +191,7 @@ mod tests {
             h[28..32].copy_from_slice(&arch.to_le_bytes());
             h[40..48].copy_from_slice(&0x8011u64.to_le_bytes());
             body.extend_from_slice(&h);
-            body.extend(std::iter::repeat(0xAB).take(payload as usize));
+            body.extend(std::iter::repeat_n(0xAB, payload as usize));
         }
         let mut out = Vec::new();
         out.extend_from_slice(&FATBIN_MAGIC.to_le_bytes());

@@ -113,7 +113,7 @@ fn check_ptr(name: &str, p: u64, align: usize) -> Result<(), CudaError> {
             "graft-cuda: {name} is a null pointer"
         )));
     }
-    if p % align as u64 != 0 {
+    if !p.is_multiple_of(align as u64) {
         return Err(CudaError::invalid(format!(
             "graft-cuda: {name} (0x{p:x}) is not aligned to {align} bytes"
         )));
@@ -130,7 +130,7 @@ fn check_shape(rows: usize, cols: usize, dtype: DType) -> Result<(), CudaError> 
     let bytes = (rows as u64)
         .checked_mul(cols as u64)
         .and_then(|n| n.checked_mul(dtype.size() as u64));
-    if bytes.map_or(true, |b| b > i64::MAX as u64) {
+    if bytes.is_none_or(|b| b > i64::MAX as u64) {
         return Err(CudaError::invalid(format!(
             "graft-cuda: rms_norm of {rows} x {cols} is too large"
         )));
@@ -217,7 +217,7 @@ pub(crate) fn plan(
     let acc = p.dtype.acc().size() as u64;
     let nunits = div_ceil(p.cols, ve);
     let target = t.block_threads.unwrap_or(TARGET_BLOCK);
-    if target == 0 || target % 32 != 0 || target > 1024 {
+    if target == 0 || !target.is_multiple_of(32) || target > 1024 {
         return Err(tuning_error(format!(
             "block_threads {target} is not a multiple of 32 in 32..=1024"
         )));
@@ -324,7 +324,7 @@ pub(crate) fn plan(
 }
 
 fn forward_problem(a: &RmsNormForward) -> Problem {
-    let row_bytes_ok = (a.cols * a.dtype.size()) % 16 == 0;
+    let row_bytes_ok = (a.cols * a.dtype.size()).is_multiple_of(16);
     Problem {
         dir: Dir::Fwd,
         dtype: a.dtype,
@@ -337,7 +337,7 @@ fn forward_problem(a: &RmsNormForward) -> Problem {
 }
 
 fn backward_problem(a: &RmsNormBackward) -> Problem {
-    let row_bytes_ok = (a.cols * a.dtype.size()) % 16 == 0;
+    let row_bytes_ok = (a.cols * a.dtype.size()).is_multiple_of(16);
     Problem {
         dir: Dir::Bwd,
         dtype: a.dtype,
@@ -644,7 +644,7 @@ mod tests {
                             let bound = config::workspace_bound(132, rows, cols).unwrap();
                             assert!(pl.workspace_bytes <= bound, "{dtype:?} {rows}x{cols}");
                             assert!(u64::from(pl.smem_bytes) <= 232_448);
-                            assert!(pl.block <= 1024 && pl.block % 32 == 0);
+                            assert!(pl.block <= 1024 && pl.block.is_multiple_of(32));
                             assert!(pl.grid >= 1);
                         }
                     }

@@ -128,7 +128,7 @@ impl DeviceBuffer {
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<(), CudaError> {
-        if offset.checked_add(len).map_or(true, |end| end > self.bytes) {
+        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
             return Err(CudaError::invalid(format!(
                 "graft-cuda: {len} bytes at offset {offset} exceed a {}-byte buffer",
                 self.bytes

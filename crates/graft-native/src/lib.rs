@@ -9,7 +9,7 @@ pub mod rms_norm;
 mod stats;
 mod threads;
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use graft_abi::{Library, Result};
 
@@ -36,7 +36,7 @@ struct Graft {
     counters: &'static Counters,
 }
 
-const GRAFTS: [Graft; 2] = [
+const GRAFTS: [Graft; 4] = [
     Graft {
         op: "aten::_fused_rms_norm",
         dispatch_key: "CPU",
@@ -47,16 +47,27 @@ const GRAFTS: [Graft; 2] = [
         dispatch_key: "CPU",
         counters: &rms_norm::cpu::BACKWARD,
     },
+    Graft {
+        op: "aten::_fused_rms_norm",
+        dispatch_key: "CUDA",
+        counters: &rms_norm::cuda::FORWARD,
+    },
+    Graft {
+        op: "aten::_fused_rms_norm_backward",
+        dispatch_key: "CUDA",
+        counters: &rms_norm::cuda::BACKWARD,
+    },
 ];
 
-/// The libraries holding our registrations, while enabled.
-static INSTALLED: Mutex<Option<Vec<Library>>> = Mutex::new(None);
+/// The libraries holding our registrations, by dispatch key, while enabled.
+static INSTALLED: Mutex<Option<Vec<(&'static str, Library)>>> = Mutex::new(None);
 
-fn installed() -> std::sync::MutexGuard<'static, Option<Vec<Library>>> {
+fn installed() -> MutexGuard<'static, Option<Vec<(&'static str, Library)>>> {
     INSTALLED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Registers the native grafts (idempotent). Needs libtorch loaded in the process.
+/// Registers the native grafts (idempotent): at CPU always, at CUDA when [`cuda_status`] is Ok.
+/// Needs libtorch loaded in the process.
 pub fn enable() -> Result<()> {
     let mut installed = installed();
     if installed.is_some() {
@@ -66,7 +77,14 @@ pub fn enable() -> Result<()> {
     let mut cpu = Library::implementations(c"aten", c"CPU")?;
     cpu.register::<rms_norm::cpu::ForwardCpu>(c"_fused_rms_norm")?;
     cpu.register::<rms_norm::cpu::BackwardCpu>(c"_fused_rms_norm_backward")?;
-    *installed = Some(vec![cpu]);
+    let mut libraries = vec![("CPU", cpu)];
+    if cuda_status().is_ok() {
+        let mut cuda = Library::implementations(c"aten", c"CUDA")?;
+        cuda.register::<rms_norm::cuda::ForwardCuda>(c"_fused_rms_norm")?;
+        cuda.register::<rms_norm::cuda::BackwardCuda>(c"_fused_rms_norm_backward")?;
+        libraries.push(("CUDA", cuda));
+    }
+    *installed = Some(libraries);
     Ok(())
 }
 
@@ -81,13 +99,30 @@ pub fn is_enabled() -> bool {
     installed().is_some()
 }
 
+/// Whether the CUDA grafts can be registered in this process: Ok(number of GPUs), or why not.
+pub fn cuda_status() -> std::result::Result<usize, String> {
+    if !graft_cuda::kernels_built() {
+        return Err("this build has no CUDA kernels (nvcc was not found when it was built)".into());
+    }
+    if !graft_abi::cuda::torch_has_cuda() {
+        return Err("this torch has no CUDA support loaded".into());
+    }
+    match graft_cuda::device_count() {
+        Ok(0) => Err("the CUDA driver sees no GPU".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("no CUDA driver: {e}")),
+    }
+}
+
 /// Every native graft this build has, with its state and counters.
 pub fn grafts() -> Vec<GraftInfo> {
-    let active = is_enabled();
+    let installed = installed();
+    let keys: Vec<&str> = installed.iter().flatten().map(|(key, _)| *key).collect();
     GRAFTS
         .iter()
         .map(|g| {
             let (calls, fallbacks) = g.counters.read();
+            let active = keys.contains(&g.dispatch_key);
             GraftInfo {
                 op: g.op,
                 dispatch_key: g.dispatch_key,

@@ -40,6 +40,21 @@ fn grafts(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
         .collect()
 }
 
+/// What this build has and what it found in this process: version, whether CUDA kernels were
+/// compiled in, and the CUDA grafts' status (number of GPUs, or why they are off).
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("torch_abi", "stable C ABI, torch >= 2.11")?;
+    d.set_item("cuda_kernels_built", graft_cuda::kernels_built())?;
+    match graft_native::cuda_status() {
+        Ok(devices) => d.set_item("cuda_devices", devices)?,
+        Err(why) => d.set_item("cuda_devices", why)?,
+    }
+    Ok(d)
+}
+
 /// Zeroes the native grafts' counters.
 #[pyfunction]
 fn reset_stats() {
@@ -54,5 +69,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(grafts, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
     Ok(())
 }

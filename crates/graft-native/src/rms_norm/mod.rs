@@ -5,6 +5,7 @@
 //! and eps defaults.
 
 pub mod cpu;
+pub mod cuda;
 
 use std::sync::LazyLock;
 
