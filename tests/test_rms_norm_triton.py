@@ -267,7 +267,7 @@ def fake_cuda(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="cuda")
 
 
-BIG = (8, 512, 4096)  # 4096 rows of 4096: inside the gate
+BIG = (8, 4096, 4096)  # 32768 rows of 4096: inside the measured gate
 
 
 def test_cond_accepts_a_plain_large_problem():
@@ -309,15 +309,15 @@ def test_cond_refuses_what_the_kernels_do_not_take():
 def test_backward_cond_checks_grad_and_rstd():
     with FakeTensorMode():
         x, w = fake_cuda(*BIG), fake_cuda(4096)
-        rstd = torch.empty(8, 512, 1, device="cuda")
+        rstd = torch.empty(8, 4096, 1, device="cuda")
         ok = cond.fused_rms_norm_backward_cond
         assert ok(x, x, [4096], rstd, w, [True, True])
         assert not ok(fake_cuda(*BIG, dtype=torch.float16), x, [4096], rstd, w, [True, True])
-        assert not ok(fake_cuda(8, 4096, 512).transpose(1, 2), x, [4096], rstd, w, [True, True])
+        assert not ok(fake_cuda(*BIG).transpose(1, 2), x, [4096], rstd, w, [True, True])
         assert not ok(x, x, [4096], rstd.double(), w, [True, True])
         assert not ok(x, x, [4096], rstd[:4], w, [True, True])
         assert not ok(x, x, [4096], rstd, fake_cuda(2048), [True, True])
-        assert not ok(x, x, [4096], torch.empty(8, 512, 1), w, [True, True])
+        assert not ok(x, x, [4096], torch.empty(8, 4096, 1), w, [True, True])
 
 
 def test_crossover_rule(monkeypatch):

@@ -22,6 +22,9 @@ int torchgraft_is_enabled(void);
 /* Calls so far of the graft for `op` (e.g. "aten::_fused_rms_norm") at `dispatch_key` (e.g. "CPU"),
  * or -1 if there is no such graft. */
 int64_t torchgraft_calls(const char* op, const char* dispatch_key);
+/* 0 when the CUDA grafts are available (number of GPUs in *devices), else -1 with the reason in
+ * torchgraft_last_error(). */
+int torchgraft_cuda_status(int64_t* devices);
 /* The last error of this thread, or "" (valid until the next call on this thread). */
 const char* torchgraft_last_error(void);
 

@@ -62,6 +62,28 @@ pub unsafe extern "C" fn torchgraft_calls(op: *const c_char, dispatch_key: *cons
         .map_or(-1, |g| g.calls as i64)
 }
 
+/// Whether the CUDA grafts are available here: 0 with the number of GPUs in `*devices`, or -1
+/// with the reason in torchgraft_last_error().
+///
+/// # Safety
+/// `devices` must be null or point to writable memory for one `int64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn torchgraft_cuda_status(devices: *mut i64) -> c_int {
+    match graft_native::cuda_status() {
+        Ok(n) => {
+            if !devices.is_null() {
+                // SAFETY: non-null and writable (the caller's contract).
+                unsafe { devices.write(n as i64) };
+            }
+            0
+        }
+        Err(why) => {
+            set_last_error(&why);
+            -1
+        }
+    }
+}
+
 /// The last error of this thread, or "".
 #[no_mangle]
 pub extern "C" fn torchgraft_last_error() -> *const c_char {

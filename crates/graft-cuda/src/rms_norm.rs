@@ -17,6 +17,10 @@ const FWD_PREF_V: u32 = 8;
 const BWD_PREF_V: u32 = 4;
 /// Default block size target of the rows kernels.
 const TARGET_BLOCK: u32 = 256;
+/// Backward: 512-thread blocks, one per SM (persistent). Fastest on an H100 at 8192 and 32768
+/// rows x 4096 bf16 (282 us vs 296 us for 256-thread blocks two per SM; bench/results/).
+const BWD_TARGET_BLOCK: u32 = 512;
+const BWD_BLOCKS_PER_SM: u32 = 1;
 
 /// Overrides of the automatic launch configuration, for tuning runs. The default is the
 /// configuration [`rms_norm_forward`] and [`rms_norm_backward`] use.
@@ -25,10 +29,10 @@ pub struct Tuning {
     /// 16-byte units per thread of the rows kernels (forward 1, 2, 4, 8, 16; backward 1,
     /// 2, 4, 8; scalar paths fewer); `None`: chosen from `cols`.
     pub units_per_thread: Option<u32>,
-    /// Target threads per block (a multiple of 32); `None`: 256 (rows), 512 (loop).
+    /// Target threads per block (a multiple of 32); `None`: 256 (forward rows), 512 (backward
+    /// rows, loop).
     pub block_threads: Option<u32>,
-    /// Grid = SMs x this. `None`: forward one block per row set, backward from occupancy
-    /// (at most 4 per SM).
+    /// Grid = SMs x this. `None`: forward one block per row set, backward one per SM.
     pub blocks_per_sm: Option<u32>,
     /// Use the two-pass loop kernel even when a rows kernel fits.
     pub force_loop: bool,
@@ -216,7 +220,11 @@ pub(crate) fn plan(
     let ve = 16 / elem;
     let acc = p.dtype.acc().size() as u64;
     let nunits = div_ceil(p.cols, ve);
-    let target = t.block_threads.unwrap_or(TARGET_BLOCK);
+    let target = t.block_threads.unwrap_or(if p.dir == Dir::Bwd {
+        BWD_TARGET_BLOCK
+    } else {
+        TARGET_BLOCK
+    });
     if target == 0 || !target.is_multiple_of(32) || target > 1024 {
         return Err(tuning_error(format!(
             "block_threads {target} is not a multiple of 32 in 32..=1024"
@@ -298,15 +306,19 @@ pub(crate) fn plan(
             .min(sets)
             .min(MAX_GRID) as u32,
         (Dir::Bwd, b) => {
-            let occ = b.unwrap_or_else(|| {
-                blocks_per_sm(
-                    lim,
-                    &attrs(out.kernel),
-                    out.block,
-                    u64::from(out.smem_bytes),
-                )
-            });
-            bwd_grid(lim.sms, occ, sets)
+            // As many blocks per SM as fit; rows kernels default to one (measured fastest).
+            let fit = blocks_per_sm(
+                lim,
+                &attrs(out.kernel),
+                out.block,
+                u64::from(out.smem_bytes),
+            );
+            let default = if rows_shape.is_some() {
+                BWD_BLOCKS_PER_SM
+            } else {
+                fit
+            };
+            bwd_grid(lim.sms, b.unwrap_or(default).min(fit.max(1)), sets)
         }
     };
 
@@ -570,13 +582,13 @@ mod tests {
         assert_eq!(pl.kernel_name(), "graft_rms_bwd_rows_bf16_same_v4");
         assert_eq!(
             (pl.threads_per_row, pl.rows_per_block, pl.block),
-            (128, 2, 256)
+            (128, 4, 512)
         );
-        // Row group 1 parks 128 threads x 32 floats for group 0.
-        assert_eq!(pl.smem_bytes, 16384);
-        // 128 registers x 256 threads: 2 blocks per SM.
-        assert_eq!(pl.grid, 264);
-        assert_eq!(pl.workspace_bytes, 264 * 4096 * 4);
+        // Row groups 1..3 park 128 threads x 32 floats each for group 0.
+        assert_eq!(pl.smem_bytes, 3 * 16384);
+        // One persistent block per SM.
+        assert_eq!(pl.grid, 132);
+        assert_eq!(pl.workspace_bytes, 132 * 4096 * 4);
         assert_eq!(
             pl.finalize_kernel_name().as_deref(),
             Some("graft_rms_dw_finalize_f32_bf16")

@@ -146,7 +146,12 @@ impl DeviceBuffer {
         let r = unsafe {
             (api.cu_memcpy_htod)(self.ptr + offset as u64, data.as_ptr().cast(), data.len())
         };
-        api.check("cuMemcpyHtoD", r)
+        api.check("cuMemcpyHtoD", r)?;
+        // From pageable memory cuMemcpyHtoD may return before its DMA lands, and kernels on
+        // non-blocking streams do not wait for it: finish it before anything reads the buffer.
+        // SAFETY: no arguments; this device's context is current (guard `_g`).
+        let r = unsafe { (api.cu_ctx_synchronize)() };
+        api.check("cuCtxSynchronize", r)
     }
 
     /// Copies from `offset` into `out` (waits for the copy).

@@ -53,6 +53,7 @@ struct Grafts {
     _lib: Library,
     enable: unsafe extern "C" fn() -> c_int,
     calls: unsafe extern "C" fn(*const c_char, *const c_char) -> i64,
+    cuda_status: unsafe extern "C" fn(*mut i64) -> c_int,
     last_error: unsafe extern "C" fn() -> *const c_char,
 }
 
@@ -69,6 +70,7 @@ impl Grafts {
         Ok(Grafts {
             enable: get(&lib, b"torchgraft_enable")?,
             calls: get(&lib, b"torchgraft_calls")?,
+            cuda_status: get(&lib, b"torchgraft_cuda_status")?,
             last_error: get(&lib, b"torchgraft_last_error")?,
             _lib: lib,
         })
@@ -76,7 +78,20 @@ impl Grafts {
 
     fn enable(&self) -> Result<(), String> {
         // SAFETY: C API call with no arguments.
-        if unsafe { (self.enable)() } == 0 {
+        let status = unsafe { (self.enable)() };
+        self.result(status)
+    }
+
+    /// Number of GPUs the CUDA grafts can use, or why they are off.
+    fn cuda_status(&self) -> Result<i64, String> {
+        let mut devices = 0i64;
+        // SAFETY: `devices` is a valid out-pointer.
+        let status = unsafe { (self.cuda_status)(&mut devices) };
+        self.result(status).map(|()| devices)
+    }
+
+    fn result(&self, status: c_int) -> Result<(), String> {
+        if status == 0 {
             return Ok(());
         }
         // SAFETY: torchgraft_last_error returns a valid NUL-terminated string.
@@ -246,6 +261,10 @@ fn run(options: &Options) -> Checked<()> {
     abi(graft_abi::load())?;
 
     let key = if options.device.kind == DeviceType::CUDA {
+        let devices = grafts
+            .cuda_status()
+            .map_err(|why| format!("no CUDA grafts: {why}"))?;
+        println!("torchgraft-host: CUDA grafts on {devices} GPU(s)");
         "CUDA"
     } else {
         "CPU"
