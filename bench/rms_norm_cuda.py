@@ -86,12 +86,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # --- timing -------------------------------------------------------------------------------
 
 
-def graft_route() -> Any:
-    """F.rms_norm routed to the Triton impls by torchgraft's registry (the graft itself)."""
+def graft_route(route: str = "triton") -> Any:
+    """F.rms_norm through one of torchgraft's routes: "triton" (the registry routes it to the
+    Triton impls) or "native" (CUDA C++ launched from Rust)."""
     import torchgraft
 
     torchgraft.disable()
-    return torchgraft.enabled(routes=["triton"])
+    return torchgraft.enabled(routes=[route])
 
 
 def make_timer(dev: str) -> Callable[[Callable[[], Any]], float]:
@@ -401,9 +402,10 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
         for name, fn in fwd.items():
             t["fwd"][name] = timer(fn)
             log(f"  fwd {name}: {t['fwd'][name]:.4f} ms")
-        with graft_route():
-            t["fwd"]["triton_graft"] = timer(lambda: F.rms_norm(x, (n,), w, eps))
-        log(f"  fwd triton_graft: {t['fwd']['triton_graft']:.4f} ms")
+        for route in ("triton", "native"):
+            with graft_route(route):
+                t["fwd"][f"{route}_graft"] = timer(lambda: F.rms_norm(x, (n,), w, eps))
+            log(f"  fwd {route}_graft: {t['fwd'][f'{route}_graft']:.4f} ms")
 
     _, rstd = torch.ops.aten._fused_rms_norm(x, [n], w, eps)
     xr = x.detach().requires_grad_(True)
@@ -415,14 +417,17 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
         "compile": lambda a, b: compiled(a, b, eps),
         "triton_op": lambda a, b: rms_norm(a, [n], b, eps),
     }
-    with graft_route():
-        y_graft = F.rms_norm(xr, (n,), wr, eps)
-        t["bwd"]["triton_graft"] = timer(
-            lambda: torch.autograd.grad(y_graft, (xr, wr), dy, retain_graph=True)
-        )
-        t["fwd+bwd"]["triton_graft"] = timer(
-            lambda: torch.autograd.grad(F.rms_norm(xr, (n,), wr, eps), (xr, wr), dy)
-        )
+    for route in ("triton", "native"):
+        with graft_route(route):
+            y_graft = F.rms_norm(xr, (n,), wr, eps)
+            t["bwd"][f"{route}_graft"] = timer(
+                lambda y_graft=y_graft: torch.autograd.grad(
+                    y_graft, (xr, wr), dy, retain_graph=True
+                )
+            )
+            t["fwd+bwd"][f"{route}_graft"] = timer(
+                lambda: torch.autograd.grad(F.rms_norm(xr, (n,), wr, eps), (xr, wr), dy)
+            )
     for name, model in models.items():
         if name in ("aten", "triton_op"):
             continue  # their backward is timed directly below
@@ -482,6 +487,18 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
     # The graft (F.rms_norm routed to the Triton impls, autograd included) is the product;
     # the triton_op custom op is reported beside it.
     targets.append(("fwd+bwd faster than compile", fb["compile"] / fb["triton_graft"], ">", 1.0))
+    # The native route (issue 5): within 5% of the better of the Triton graft and compile.
+    for phase, d in (("fwd", f), ("bwd", b)):
+        if "native_graft" in d and "compile" in d:
+            best = min(d["triton_graft"], d["compile"])
+            targets.append(
+                (f"native {phase} <= 1.05 x best of triton/compile", d["native_graft"] / best,
+                 "<=", 1.05)
+            )  # fmt: skip
+            targets.append(
+                (f"native {phase} vs aten speedup (fwd >= 1.3, bwd >= 2)",
+                 d["aten"] / d["native_graft"], ">=", 1.3 if phase == "fwd" else 2.0)
+            )  # fmt: skip
     verdicts = []
     for label, value, op, limit in targets:
         ok = value <= limit if op == "<=" else value >= limit if op == ">=" else value > limit
@@ -644,8 +661,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"speed: FAILED TO RUN {s['error'][:300]}")
     else:
         print(f"speed at {tuple(s['shape'])} {s['dtype']}, median ms (do_bench):")
-        names = ["eager_upcast", "eager_same_dtype", "aten", "compile", "triton_graft",
-                 "triton_impl", "triton_op", "triton_kernel"]  # fmt: skip
+        names = ["eager_upcast", "eager_same_dtype", "aten", "compile", "native_graft",
+                 "triton_graft", "triton_impl", "triton_op", "triton_kernel"]  # fmt: skip
         print(f"  {'':8s}" + "".join(f"{nm:>17s}" for nm in names))
         for phase in ("fwd", "bwd", "fwd+bwd"):
             ms = s["ms"][phase]
