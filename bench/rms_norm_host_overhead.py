@@ -58,8 +58,15 @@ def main() -> None:
     w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
     ref = F.rms_norm(x.double(), [HIDDEN], w.double(), 1e-6)
 
+    dy = torch.randn_like(x)
+    _, rstd = torch.ops.aten._fused_rms_norm(x, [HIDDEN], w, 1e-6)
+    backward = torch.ops.aten._fused_rms_norm_backward.default
+
     def call() -> torch.Tensor:
         return F.rms_norm(x, [HIDDEN], w, 1e-6)
+
+    def call_backward() -> object:
+        return backward(dy, x, [HIDDEN], rstd, w, [True, True])
 
     results: dict[str, float] = {}
     checks: dict[str, float] = {}
@@ -72,6 +79,7 @@ def main() -> None:
         if expect_key is not None:
             assert torchgraft.stats()[expect_key]["calls"] == 1, f"{route}: graft did not run"
         results[route] = per_call_us(call, args.calls)
+        results[f"{route} backward"] = per_call_us(call_backward, args.calls)
 
     torchgraft.disable()
     measure("aten", None)
@@ -95,9 +103,11 @@ def main() -> None:
     registry.remove_override(info)
 
     print(f"F.rms_norm {SHAPE} bf16 on {torch.cuda.get_device_name()}: host time per call")
-    print(f"{'route':24} {'us/call':>9} {'vs aten':>9} {'rel err':>9}")
+    print(f"{'route':32} {'us/call':>9} {'vs aten':>9} {'rel err':>9}")
     for route, us in results.items():
-        print(f"{route:24} {us:9.2f} {us - results['aten']:+8.2f}us {checks[route]:9.1e}")
+        base = results["aten backward" if route.endswith("backward") else "aten"]
+        err = checks.get(route, float("nan"))
+        print(f"{route:32} {us:9.2f} {us - base:+8.2f}us {err:9.1e}")
     added = results["native"] - results["aten"]
     verdict = "PASS" if added <= 1.0 else "MISS"
     print(f"{verdict}  native route <= ATen + 1 us per call: {added:+.2f} us")
