@@ -10,9 +10,10 @@ from torchgraft.ops import rms_norm as rms_norm_pkg
 from torchgraft.ops.rms_norm import rms_norm_backward_reference, rms_norm_reference
 
 custom_op = pytest.importorskip("torchgraft.ops.rms_norm.custom_op")
+triton_kernels = pytest.importorskip("torchgraft.ops.rms_norm.triton_kernels")
 
 pytestmark = pytest.mark.skipif(
-    type(custom_op.triton_kernels._rms_norm_fwd_kernel).__name__ != "InterpretedFunction",
+    type(triton_kernels._rms_norm_fwd_kernel).__name__ != "InterpretedFunction",
     reason="Triton kernels are compiled for the GPU in this process",
 )
 
@@ -82,6 +83,25 @@ def test_multi_dim_normalized_shape():
     y_ref, rstd_ref = rms_norm_reference(x.detach(), [4, 5], w.detach(), None)
     assert rstd_op.shape == rstd_ref.shape == (2, 3, 1, 1)
     assert rel_err(y_op, y_ref) < 1e-12 and rel_err(rstd_op, rstd_ref) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
+def test_empty_input_gives_atens_outputs(shape):
+    # Nothing to launch: rstd and the gradients are still filled as aten fills them (rstd NaN
+    # over an empty row, zero gradients), never left uninitialised. aten has no CPU kernel
+    # for the fused op; the float64 reference computes what its CUDA kernel returns.
+    normalized = [shape[-1]]
+    x = torch.randn(shape)
+    w = torch.randn(normalized)
+    y, rstd = torch.ops.torchgraft.rms_norm_triton_fwd(x, normalized, w, None)
+    y_ref, rstd_ref = rms_norm_reference(x, normalized, w, None)
+    assert y.shape == y_ref.shape and rstd.shape == rstd_ref.shape
+    torch.testing.assert_close(rstd, rstd_ref, equal_nan=True, check_dtype=False)
+    dy = torch.randn(shape)
+    dx, dw = torch.ops.torchgraft.rms_norm_triton_bwd(dy, x, normalized, rstd, w, True, True)
+    dx_ref, dw_ref = rms_norm_backward_reference(dy, x, normalized, rstd_ref, w)
+    torch.testing.assert_close(dx, dx_ref, check_dtype=False)
+    torch.testing.assert_close(dw, dw_ref, check_dtype=False)
 
 
 def test_torch_compile_traces_without_graph_breaks():

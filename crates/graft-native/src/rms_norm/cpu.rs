@@ -9,8 +9,8 @@ use graft_kernels::{convert, rms_norm, Float};
 use half::{bf16, f16};
 
 use super::{
-    acc_dtype, backward_input_strides, check_backward, check_forward, contiguous, default_eps,
-    forward_strides, rstd_sizes, to_dtype, with_strides, Geometry,
+    acc_dtype, check_backward, check_forward, contiguous, default_eps, in_backward_layout,
+    in_forward_layout, rstd_sizes, to_dtype, Geometry,
 };
 use crate::stats::Counters;
 use crate::threads::TorchPool;
@@ -106,13 +106,7 @@ impl Kernel for ForwardCpu {
             DType::BF16 => call.run::<bf16>(),
             _ => call.run::<f16>(),
         }?;
-        match forward_strides(&input, &normalized_shape, weight.as_ref(), eps)? {
-            None => Ok((y, rstd)),
-            Some((y_strides, rstd_strides)) => Ok((
-                with_strides(y, &y_strides)?,
-                with_strides(rstd, &rstd_strides)?,
-            )),
-        }
+        in_forward_layout((y, rstd), &input, &normalized_shape, weight.as_ref(), eps)
     }
 }
 
@@ -192,21 +186,14 @@ impl Kernel for BackwardCpu {
             DType::BF16 => call.run::<bf16>(),
             _ => call.run::<f16>(),
         }?;
-        let dx = match dx {
-            Some(dx) => {
-                match backward_input_strides(
-                    &grad_out,
-                    &input,
-                    &normalized_shape,
-                    &rstd,
-                    weight.as_ref(),
-                )? {
-                    None => dx,
-                    Some(strides) => with_strides(dx, &strides)?,
-                }
-            }
-            None => Tensor::undefined()?,
-        };
+        let dx = in_backward_layout(
+            dx,
+            &grad_out,
+            &input,
+            &normalized_shape,
+            &rstd,
+            weight.as_ref(),
+        )?;
         Ok((dx, dw.map_or_else(Tensor::undefined, Ok)?))
     }
 }

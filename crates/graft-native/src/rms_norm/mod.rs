@@ -187,7 +187,7 @@ pub fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// `t` with the given strides (a copy when its own differ).
-pub fn with_strides(t: Tensor, strides: &[i64]) -> Result<Tensor> {
+fn with_strides(t: Tensor, strides: &[i64]) -> Result<Tensor> {
     if t.strides()? == strides {
         return Ok(t);
     }
@@ -202,9 +202,45 @@ fn meta_like(t: &Tensor) -> Result<Tensor> {
 
 static LAYOUTS: LazyLock<LayoutCache> = LazyLock::new(LayoutCache::new);
 
+/// The forward's contiguous outputs (y, rstd) in the layout ATen's meta function gives them.
+pub fn in_forward_layout(
+    (y, rstd): (Tensor, Tensor),
+    input: &Tensor,
+    normalized_shape: &[i64],
+    weight: Option<&Tensor>,
+    eps: Option<f64>,
+) -> Result<(Tensor, Tensor)> {
+    match forward_strides(input, normalized_shape, weight, eps)? {
+        None => Ok((y, rstd)),
+        Some((y_strides, rstd_strides)) => Ok((
+            with_strides(y, &y_strides)?,
+            with_strides(rstd, &rstd_strides)?,
+        )),
+    }
+}
+
+/// The backward's contiguous grad_input in the layout ATen's meta function gives it; an
+/// undefined tensor when it was not wanted.
+pub fn in_backward_layout(
+    dx: Option<Tensor>,
+    grad_out: &Tensor,
+    input: &Tensor,
+    normalized_shape: &[i64],
+    rstd: &Tensor,
+    weight: Option<&Tensor>,
+) -> Result<Tensor> {
+    let Some(dx) = dx else {
+        return Tensor::undefined();
+    };
+    match backward_input_strides(grad_out, input, normalized_shape, rstd, weight)? {
+        None => Ok(dx),
+        Some(strides) => with_strides(dx, &strides),
+    }
+}
+
 /// Strides of the forward's outputs (y, rstd) as ATen's meta function gives them, or None when
 /// they are contiguous (always so for a contiguous input).
-pub fn forward_strides(
+fn forward_strides(
     input: &Tensor,
     normalized_shape: &[i64],
     weight: Option<&Tensor>,
@@ -241,7 +277,7 @@ pub fn forward_strides(
 
 /// Strides of the backward's grad_input as ATen's meta function gives them, or None when they
 /// are contiguous (always so when grad_out and input are).
-pub fn backward_input_strides(
+fn backward_input_strides(
     grad_out: &Tensor,
     input: &Tensor,
     normalized_shape: &[i64],

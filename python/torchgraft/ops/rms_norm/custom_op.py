@@ -17,9 +17,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from . import triton_kernels
-from .reference import default_eps
-from .shapes import check_weight_shape, rows_and_hidden
+from .impl import fused_rms_norm_backward_impl, fused_rms_norm_impl
+from .shapes import check_weight_shape, empty_rstd, rows_and_hidden
 
 __all__ = ["rms_norm", "rms_norm_triton_bwd", "rms_norm_triton_fwd"]
 
@@ -35,15 +34,6 @@ def _traceable(kernel: Any) -> Any:
     return wrap_triton(kernel)
 
 
-def _rstd_shape(x: Tensor, normalized_shape: Sequence[int]) -> list[int]:
-    n_dims = len(normalized_shape)
-    return list(x.shape[: x.dim() - n_dims]) + [1] * n_dims
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_weight(x: Tensor, weight: Tensor | None, normalized_shape: Sequence[int]) -> None:
     check_weight_shape(weight, normalized_shape)
     if weight is not None and weight.dtype != x.dtype:
@@ -55,21 +45,8 @@ def rms_norm_triton_fwd(
     x: Tensor, normalized_shape: list[int], weight: Tensor | None, eps: float | None
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm forward: ``(y, rstd)`` with aten's ``_fused_rms_norm`` shapes and dtypes."""
-    n_rows, n_cols = rows_and_hidden(x, normalized_shape)
     _check_weight(x, weight, normalized_shape)
-    x = x.contiguous()
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rstd = x.new_empty(_rstd_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype))
-    if n_rows > 0 and n_cols > 0:
-        triton_kernels.rms_norm_forward(
-            x.view(n_rows, n_cols),
-            weight.contiguous().view(n_cols) if weight is not None else None,
-            default_eps(x.dtype) if eps is None else eps,
-            y.view(n_rows, n_cols),
-            rstd.view(n_rows),
-            wrap=_traceable,
-        )
-    return y, rstd
+    return fused_rms_norm_impl(x, normalized_shape, weight, eps, wrap=_traceable)
 
 
 @triton_op("torchgraft::rms_norm_triton_bwd", mutates_args=())
@@ -83,24 +60,10 @@ def rms_norm_triton_bwd(
     compute_dw: bool,
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm backward: ``(dx, dw)``; a skipped gradient comes back as an empty tensor."""
-    n_rows, n_cols = rows_and_hidden(x, normalized_shape)
-    compute_dw = compute_dw and weight is not None
-    x = x.contiguous()
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if compute_dx else None
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if compute_dw else None
-    if n_rows > 0 and n_cols > 0:
-        triton_kernels.rms_norm_backward(
-            grad_out.contiguous().view(n_rows, n_cols),
-            x.view(n_rows, n_cols),
-            rstd.contiguous().view(n_rows),
-            weight.contiguous().view(n_cols) if weight is not None else None,
-            dx.view(n_rows, n_cols) if dx is not None else None,
-            dw.view(n_cols) if dw is not None else None,
-            wrap=_traceable,
-        )
-    else:
-        dx = dx.zero_() if dx is not None else None
-        dw = dw.zero_() if dw is not None else None
+    mask = [compute_dx, compute_dw]
+    dx, dw = fused_rms_norm_backward_impl(
+        grad_out, x, normalized_shape, rstd, weight, mask, wrap=_traceable
+    )
     return (
         dx if dx is not None else x.new_empty(0),
         dw if dw is not None else x.new_empty(0),
@@ -114,7 +77,7 @@ def _fwd_fake(
     rows_and_hidden(x, normalized_shape)
     _check_weight(x, weight, normalized_shape)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return y, x.new_empty(_rstd_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype))
+    return y, empty_rstd(x, normalized_shape)
 
 
 @rms_norm_triton_bwd.register_fake

@@ -8,14 +8,15 @@ wrong result silently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .reference import default_eps
-from .shapes import rows_and_hidden
+from .shapes import empty_rstd, rows_and_hidden
 
 __all__ = ["fused_rms_norm_backward_impl", "fused_rms_norm_impl"]
 
@@ -37,15 +38,18 @@ def fused_rms_norm_impl(
     normalized_shape: Sequence[int],
     weight: Tensor | None,
     eps: float | None,
+    *,
+    wrap: Callable[[Any], Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``aten::_fused_rms_norm`` through the Triton forward kernel: returns ``(y, rstd)``."""
+    """``aten::_fused_rms_norm`` through the Triton forward kernel: returns ``(y, rstd)``.
+
+    ``wrap`` is applied to the kernel before launching (``torch.library.wrap_triton`` inside a
+    ``triton_op``).
+    """
     n_rows, n_cols = rows_and_hidden(input, normalized_shape)
     x = input.contiguous()
-    n_dims = len(normalized_shape)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rstd_shape = list(x.shape[: x.dim() - n_dims]) + [1] * n_dims
-    rstd = torch.empty(rstd_shape, dtype=rstd_dtype, device=x.device)
+    rstd = empty_rstd(x, normalized_shape)
     if n_rows == 0 or n_cols == 0:
         return y, rstd.fill_(float("nan") if n_cols == 0 else 0.0)
     w = weight.contiguous().view(n_cols) if weight is not None else None
@@ -55,6 +59,7 @@ def fused_rms_norm_impl(
         default_eps(x.dtype) if eps is None else eps,
         y.view(n_rows, n_cols),
         rstd.view(n_rows),
+        wrap=wrap,
     )
     return y, rstd
 
@@ -66,11 +71,14 @@ def fused_rms_norm_backward_impl(
     rstd: Tensor,
     weight: Tensor | None,
     output_mask: Sequence[bool],
+    *,
+    wrap: Callable[[Any], Any] | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """``aten::_fused_rms_norm_backward`` through the Triton backward kernels.
 
     Returns ``(dx, dw)``: ``dx`` like ``input`` when ``output_mask[0]``, ``dw`` like
-    ``weight`` when ``output_mask[1]`` and there is a weight, ``None`` otherwise.
+    ``weight`` when ``output_mask[1]`` and there is a weight, ``None`` otherwise. ``wrap`` as
+    in :func:`fused_rms_norm_impl`.
     """
     n_rows, n_cols = rows_and_hidden(input, normalized_shape)
     x = input.contiguous()
@@ -92,5 +100,6 @@ def fused_rms_norm_backward_impl(
         weight.contiguous().view(n_cols) if weight is not None else None,
         dx.view(n_rows, n_cols) if dx is not None else None,
         dw.view(n_cols) if dw is not None else None,
+        wrap=wrap,
     )
     return dx, dw

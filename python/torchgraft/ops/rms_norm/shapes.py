@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
-__all__ = ["check_weight_shape", "rows_and_hidden"]
+__all__ = ["check_weight_shape", "empty_rstd", "rows_and_hidden"]
 
 
 def rows_and_hidden(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
@@ -38,3 +39,12 @@ def check_weight_shape(weight: Tensor | None, normalized_shape: Sequence[int]) -
             f"Expected weight to be of same shape as normalized_shape, but got weight of "
             f"shape {list(weight.shape)} and normalized_shape = {list(normalized_shape)}"
         )
+
+
+def empty_rstd(x: Tensor, normalized_shape: Sequence[int]) -> Tensor:
+    """An uninitialised ``rstd`` as aten returns it for ``x``: the leading dims of ``x`` and a 1
+    per normalized dim, float32 (float64 for float64 ``x``), contiguous."""
+    n_dims = len(normalized_shape)
+    shape = list(x.shape[: x.dim() - n_dims]) + [1] * n_dims
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(shape, dtype=dtype)

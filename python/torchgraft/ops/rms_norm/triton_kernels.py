@@ -378,10 +378,6 @@ def backward_num_programs(n_rows: int, config: BackwardConfig, device: torch.dev
     return max(1, min(n_tiles, config.programs_per_sm * _multiprocessors(device)))
 
 
-def _launch_as_is(kernel: Any) -> Any:
-    return kernel
-
-
 def _on_device(x: Tensor) -> contextlib.AbstractContextManager[object]:
     # Triton launches on the current device; kernels called from Python (a graft's impl, a
     # custom op) get no device guard from the dispatcher.
@@ -393,6 +389,10 @@ def _on_device(x: Tensor) -> contextlib.AbstractContextManager[object]:
 Wrap = Callable[[Any], Any]
 
 
+def _launchable(kernel: Any, wrap: Wrap | None) -> Any:
+    return kernel if wrap is None else wrap(kernel)
+
+
 def rms_norm_forward(
     x: Tensor,
     weight: Tensor | None,
@@ -400,7 +400,7 @@ def rms_norm_forward(
     y: Tensor,
     rstd: Tensor,
     config: ForwardConfig | None = None,
-    wrap: Wrap = _launch_as_is,
+    wrap: Wrap | None = None,
 ) -> None:
     """Runs the forward kernel: writes ``y`` and ``rstd``.
 
@@ -411,14 +411,14 @@ def rms_norm_forward(
         y: ``(rows, n)`` contiguous output, ``x``'s dtype.
         rstd: ``(rows,)`` contiguous output, float32 (float64 for float64 ``x``).
         config: launch shape; :func:`forward_config` when ``None``.
-        wrap: applied to the kernel before launching (``torch.library.wrap_triton`` inside a
-            ``triton_op``).
+        wrap: applied to each kernel before launching (``torch.library.wrap_triton`` inside a
+            ``triton_op``); ``None`` launches them as they are.
     """
     n_rows, n_cols = x.shape
     cfg = config or forward_config(n_cols, x.dtype)
     grid = (triton.cdiv(n_rows, cfg.rows),)
     with _on_device(x):
-        wrap(_rms_norm_fwd_kernel)[grid](
+        _launchable(_rms_norm_fwd_kernel, wrap)[grid](
             x,
             weight if weight is not None else x,
             y,
@@ -445,7 +445,7 @@ def rms_norm_backward(
     config: BackwardConfig | None = None,
     num_programs: int | None = None,
     partials: Tensor | None = None,
-    wrap: Wrap = _launch_as_is,
+    wrap: Wrap | None = None,
 ) -> None:
     """Runs the backward kernels: writes ``dx`` and ``dw`` where given.
 
@@ -479,7 +479,7 @@ def rms_norm_backward(
         elif not cfg.single_pass:
             partials.zero_()
     with _on_device(x):
-        wrap(_rms_norm_bwd_kernel)[(programs,)](
+        _launchable(_rms_norm_bwd_kernel, wrap)[(programs,)](
             dy,
             x,
             weight if weight is not None else x,
@@ -501,7 +501,7 @@ def rms_norm_backward(
         )
         if dw is not None:
             block_cols = 64
-            wrap(_dw_reduce_kernel)[(triton.cdiv(n_cols, block_cols),)](
+            _launchable(_dw_reduce_kernel, wrap)[(triton.cdiv(n_cols, block_cols),)](
                 partials,
                 dw,
                 programs,
