@@ -172,10 +172,12 @@ impl Kernel for BackwardCuda {
                 cols,
                 want_dw,
             )
-            .map_err(cuda_error)?
-            .max(16);
-            let workspace =
-                NewTensor::empty(&[workspace_bytes as i64], DType::U8, device)?.finish();
+            .map_err(cuda_error)?;
+            // Scratch for the dw partials; without dw the kernels never touch it.
+            let workspace = want_dw
+                .then(|| NewTensor::empty(&[workspace_bytes.max(16) as i64], DType::U8, device))
+                .transpose()?
+                .map(NewTensor::finish);
             graft_cuda::rms_norm_backward(&RmsNormBackward {
                 device: device.index,
                 stream: current_stream(device.index)? as usize,
@@ -186,7 +188,7 @@ impl Kernel for BackwardCuda {
                 weight: kernel_w,
                 dx: dx.as_ref().map(ptr).transpose()?,
                 dw: dw.as_ref().map(ptr).transpose()?,
-                workspace: ptr(&workspace)?,
+                workspace: workspace.as_ref().map(ptr).transpose()?.unwrap_or(0),
                 workspace_bytes,
                 rows,
                 cols,
