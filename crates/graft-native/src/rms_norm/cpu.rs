@@ -186,15 +186,14 @@ impl Kernel for BackwardCpu {
             DType::BF16 => call.run::<bf16>(),
             _ => call.run::<f16>(),
         }?;
-        let dx = in_backward_layout(
-            dx,
+        in_backward_layout(
+            (dx, dw),
             &grad_out,
             &input,
             &normalized_shape,
             &rstd,
             weight.as_ref(),
-        )?;
-        Ok((dx, dw.map_or_else(Tensor::undefined, Ok)?))
+        )
     }
 }
 

@@ -198,14 +198,13 @@ impl Kernel for BackwardCuda {
         if let Some(d) = dw.take() {
             dw = Some(to_dtype(&d, dtype)?);
         }
-        let dx = in_backward_layout(
-            dx,
+        in_backward_layout(
+            (dx, dw),
             &grad_out,
             &input,
             &normalized_shape,
             &rstd,
             weight.as_ref(),
-        )?;
-        Ok((dx, dw.map_or_else(Tensor::undefined, Ok)?))
+        )
     }
 }

@@ -219,23 +219,25 @@ pub fn in_forward_layout(
     }
 }
 
-/// The backward's contiguous grad_input in the layout ATen's meta function gives it; an
-/// undefined tensor when it was not wanted.
+/// The backward's outputs (dx contiguous) as ATen returns them: dx in the layout ATen's meta
+/// function gives it, and an undefined tensor for each gradient that was not wanted.
 pub fn in_backward_layout(
-    dx: Option<Tensor>,
+    (dx, dw): (Option<Tensor>, Option<Tensor>),
     grad_out: &Tensor,
     input: &Tensor,
     normalized_shape: &[i64],
     rstd: &Tensor,
     weight: Option<&Tensor>,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Tensor)> {
+    let dw = dw.map_or_else(Tensor::undefined, Ok)?;
     let Some(dx) = dx else {
-        return Tensor::undefined();
+        return Ok((Tensor::undefined()?, dw));
     };
-    match backward_input_strides(grad_out, input, normalized_shape, rstd, weight)? {
-        None => Ok(dx),
-        Some(strides) => with_strides(dx, &strides),
-    }
+    let dx = match backward_input_strides(grad_out, input, normalized_shape, rstd, weight)? {
+        None => dx,
+        Some(strides) => with_strides(dx, &strides)?,
+    };
+    Ok((dx, dw))
 }
 
 /// Strides of the forward's outputs (y, rstd) as ATen's meta function gives them, or None when
