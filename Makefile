@@ -9,8 +9,11 @@ TORCH ?= 2.13.0
 PY := $(VENV)/bin/python
 # nvcc 13.0 from PyPI, pinned as one family so its pieces agree (the GPU machines run 13.0).
 CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0.* nvidia-cuda-cccl==13.0.*
-PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2"
-DEPS_STAMP := $(VENV)/.torchgraft-deps-torch-$(TORCH)
+# transformers (5.17, as on the GPU machines) and kernels (0.16.x, the range transformers 5.17 accepts):
+# model adoption and the end-to-end benchmark are tested on tiny models built from configs.
+PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2" hypothesis transformers==5.17.0 "kernels>=0.16,<0.17"
+# The stamp names the package list, so changing it reinstalls.
+DEPS_STAMP := $(VENV)/.torchgraft-deps-$(shell echo '$(TORCH) $(PY_TOOLS) $(CUDA_TOOLS)' | md5sum | cut -c1-12)
 # graft-cuda's build script compiles the CUDA kernels with $NVCC when it is set.
 WITH_NVCC = NVCC="$$(ls $(abspath $(VENV))/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
 
