@@ -1,4 +1,5 @@
-//! The kernel table: every entry point in kernels/rms_norm.cu, its name and its index.
+//! The kernel table: every entry point in kernels/*.cu, its name and its index (RMSNorm's
+//! families by construction, the others by name).
 //!
 //! The names and the (V, maximum block size) tables below mirror the instantiation macros
 //! and `GRAFT_*_MAXT_*` launch bounds at the end of kernels/rms_norm.cu.
@@ -142,8 +143,23 @@ fn weight_tag(w: WeightKind) -> &'static str {
     }
 }
 
-/// The entry-point name of kernel `i` (as in kernels/rms_norm.cu).
+/// Entry points of the kernel families launched by name, after RMSNorm's table (one function
+/// per op module, listing its kernels/*.cu entry points).
+const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[crate::glu::kernel_names];
+
+fn named_kernels() -> Vec<String> {
+    NAMED_FAMILIES.iter().flat_map(|names| names()).collect()
+}
+
+/// The entry-point name of kernel `i` (RMSNorm's as in kernels/rms_norm.cu, then the named
+/// families).
 pub(crate) fn name(i: usize) -> String {
+    if i >= NUM_KERNELS {
+        return named_kernels()
+            .into_iter()
+            .nth(i - NUM_KERNELS)
+            .unwrap_or_else(|| format!("<kernel {i}>"));
+    }
     let fams = FAMILIES.len() * PER_FAMILY;
     if i >= fams {
         let (acc, out) = FINALIZE[i - fams];
@@ -178,7 +194,7 @@ pub(crate) fn name(i: usize) -> String {
 
 /// Every kernel name, in index order.
 pub(crate) fn all_names() -> Vec<String> {
-    (0..NUM_KERNELS).map(name).collect()
+    (0..NUM_KERNELS).map(name).chain(named_kernels()).collect()
 }
 
 #[cfg(test)]
@@ -188,7 +204,8 @@ mod tests {
     #[test]
     fn names_are_unique_and_indices_round_trip() {
         let names = all_names();
-        assert_eq!(names.len(), NUM_KERNELS);
+        assert_eq!(names.len(), NUM_KERNELS + named_kernels().len());
+        assert_eq!(name(NUM_KERNELS), names[NUM_KERNELS]);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();

@@ -1,6 +1,7 @@
-//! RMSNorm forward and backward CUDA kernels, compiled ahead of time by nvcc (build.rs)
-//! into one fatbin embedded in this library, and launched through the CUDA driver API on
-//! the caller's stream.
+//! torchgraft's CUDA kernels (RMSNorm forward and backward, gated linear units, and the
+//! other fused ops in kernels/*.cu), compiled ahead of time by nvcc (build.rs) into one
+//! fatbin embedded in this library, and launched through the CUDA driver API on the
+//! caller's stream.
 //!
 //! Nothing is linked at build time: the driver (`libcuda.so.1`) is opened at run time.
 //! Each device's kernels are loaded once into its primary context (the one PyTorch uses);
@@ -8,7 +9,7 @@
 //! device's SM count, and calls `cuLaunchKernel`: no allocation, no synchronisation, no
 //! lock.
 //!
-//! Semantics follow PyTorch's reference composite `_fused_rms_norm` /
+//! RMSNorm's semantics follow PyTorch's reference composite `_fused_rms_norm` /
 //! `_fused_rms_norm_backward`: for a row `x` of `cols` elements,
 //! `rstd = 1 / sqrt(mean(x^2) + eps)` in the accumulation type (f32, or f64 for F64),
 //! `y = (x * rstd) * w` rounded to the dtype; backward `xhat = x * rstd`, `g = dy * w`,
@@ -21,13 +22,16 @@ mod config;
 mod device;
 mod driver;
 pub mod fatbin;
+mod glu;
 mod kernels;
+mod launch;
 mod params;
 mod rms_norm;
 pub mod tools;
 
 pub use config::{DeviceLimits, KernelAttrs};
 pub use error::{CudaError, ErrorKind};
+pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
 pub use rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,
     rms_norm_backward_workspace_bytes, rms_norm_backward_workspace_bytes_for, rms_norm_forward,

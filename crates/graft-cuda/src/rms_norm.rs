@@ -5,10 +5,11 @@ use crate::config::{
     DeviceLimits, KernelAttrs, BWD_ROWS_SMEM_LIMIT, MAX_GRID,
 };
 use crate::device::{self, DeviceState};
-use crate::driver::{self, Api, ContextGuard, CuStream};
+use crate::driver::{self, ContextGuard};
 use crate::error::CudaError;
 use crate::kernels::{self, Body, Dir, WeightKind, FINALIZE_THREADS, LOOP_THREADS};
-use crate::params::{args, BwdParams, FinalizeParams, FwdParams};
+use crate::launch::launch;
+use crate::params::{BwdParams, FinalizeParams, FwdParams};
 use crate::{DType, RmsNormBackward, RmsNormForward, Weight};
 
 /// Forward rows kernels: preferred 16-byte units per thread (128 bytes of `x` in flight).
@@ -382,45 +383,6 @@ pub fn plan_backward(a: &RmsNormBackward, t: &Tuning) -> Result<Plan, CudaError>
 
 // ---------------------------------------------------------------------------------------
 // Launching.
-
-#[allow(clippy::too_many_arguments)]
-fn launch<P>(
-    api: &Api,
-    st: &DeviceState,
-    kernel: usize,
-    grid: u32,
-    block: u32,
-    smem: u32,
-    stream: usize,
-    params: &mut P,
-) -> Result<(), CudaError> {
-    let mut a = args(params);
-    // SAFETY: the function belongs to this device's module, whose context is current
-    // (caller holds a ContextGuard); `params` is the #[repr(C)] mirror of the kernel's
-    // single by-value struct parameter and outlives the call (the driver copies it);
-    // grid/block/smem are within the kernel's limits by construction of the plan; every
-    // pointer inside was validated non-null and aligned, and sized by the caller's
-    // contract (rows * cols elements etc.); the stream is the caller's.
-    let r = unsafe {
-        (api.cu_launch_kernel)(
-            st.functions[kernel],
-            grid,
-            1,
-            1,
-            block,
-            1,
-            1,
-            smem,
-            stream as CuStream,
-            a.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    };
-    if r != driver::CUDA_SUCCESS {
-        return Err(api.error(&format!("cuLaunchKernel({})", kernels::name(kernel)), r));
-    }
-    Ok(())
-}
 
 /// RMSNorm forward with the automatic configuration: writes `y` and `rstd`.
 pub fn rms_norm_forward(a: &RmsNormForward) -> Result<(), CudaError> {

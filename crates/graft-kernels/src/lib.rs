@@ -1,5 +1,5 @@
 //! Pure Rust CPU kernels for torchgraft: RMSNorm forward and backward over contiguous row-major
-//! buffers, generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]).
+//! buffers, gated linear units ([`glu`]), generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]).
 //!
 //! The kernels are SIMD, chosen at run time ([`Isa`]: AVX-512, AVX2 + FMA + F16C, or portable
 //! Rust), and run near memory bandwidth: the forward pass reads each row from memory once (the
@@ -14,6 +14,7 @@ mod blocks;
 pub mod convert;
 mod dispatch;
 mod float;
+pub mod glu;
 mod isa;
 mod parallel;
 pub mod rms_norm;

@@ -5,6 +5,7 @@
 //! that were there before come back), [`grafts`] reports them with their call counts.
 
 mod layout;
+pub mod ops;
 pub mod rms_norm;
 mod stats;
 mod threads;
@@ -114,7 +115,8 @@ pub fn cuda_status() -> std::result::Result<usize, String> {
     }
 }
 
-/// Every native graft this build has, with its state and counters.
+/// Every native graft this build has, with its state and counters, then the kernels of
+/// torchgraft's own operators ([`ops`]).
 pub fn grafts() -> Vec<GraftInfo> {
     let installed = installed();
     let keys: Vec<&str> = installed.iter().flatten().map(|(key, _)| *key).collect();
@@ -131,10 +133,12 @@ pub fn grafts() -> Vec<GraftInfo> {
                 fallbacks,
             }
         })
+        .chain(ops::kernels())
         .collect()
 }
 
 /// Zeroes every graft's counters.
 pub fn reset_stats() {
     GRAFTS.iter().for_each(|g| g.counters.reset());
+    ops::reset_stats();
 }

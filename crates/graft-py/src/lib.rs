@@ -55,6 +55,13 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Defines torchgraft's own operators (`torch.ops.torchgraft.*`) with their CPU and CUDA
+/// kernels (idempotent; they stay for the life of the process). `import torch` must come first.
+#[pyfunction]
+fn define_ops() -> PyResult<()> {
+    graft_native::ops::define().map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
 /// Zeroes the native grafts' counters.
 #[pyfunction]
 fn reset_stats() {
@@ -69,6 +76,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(grafts, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(define_ops, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     Ok(())
 }

@@ -1,0 +1,97 @@
+//! Launching a kernel of the embedded module: one by-value parameter struct per kernel.
+//!
+//! RMSNorm's kernels are found by their index in the kernel table ([`crate::kernels`]); the
+//! other families by entry-point name ([`launch_named`]), looked up in the same table.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use crate::device::{self, DeviceState};
+use crate::driver::{self, Api, ContextGuard, CuStream};
+use crate::error::CudaError;
+use crate::kernels;
+use crate::params::args;
+
+/// Launches kernel `kernel` of `st` with `params` (a `#[repr(C)]` mirror of the kernel's single
+/// by-value struct parameter) on `stream`. The caller holds a [`ContextGuard`] for `st`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch<P>(
+    api: &Api,
+    st: &DeviceState,
+    kernel: usize,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    stream: usize,
+    params: &mut P,
+) -> Result<(), CudaError> {
+    let mut a = args(params);
+    // SAFETY: the function belongs to this device's module, whose context is current
+    // (caller holds a ContextGuard); `params` is the #[repr(C)] mirror of the kernel's
+    // single by-value struct parameter and outlives the call (the driver copies it);
+    // grid/block/smem are within the kernel's limits by the caller's plan; every pointer
+    // inside was validated by the caller against its sizes; the stream is the caller's.
+    let r = unsafe {
+        (api.cu_launch_kernel)(
+            st.functions[kernel],
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            smem,
+            stream as CuStream,
+            a.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    if r != driver::CUDA_SUCCESS {
+        return Err(api.error(&format!("cuLaunchKernel({})", kernels::name(kernel)), r));
+    }
+    Ok(())
+}
+
+/// The kernel table's index of entry point `name`.
+fn index_of(name: &str) -> Result<usize, CudaError> {
+    static INDEX: OnceLock<HashMap<String, usize>> = OnceLock::new();
+    let index = INDEX.get_or_init(|| {
+        kernels::all_names()
+            .into_iter()
+            .enumerate()
+            .map(|(i, n)| (n, i))
+            .collect()
+    });
+    index
+        .get(name)
+        .copied()
+        .ok_or_else(|| CudaError::invalid(format!("graft-cuda: no kernel named {name}")))
+}
+
+/// A 1-D launch of entry point `name` on `device`'s `stream`.
+pub(crate) struct NamedLaunch<'a> {
+    pub device: i32,
+    pub stream: usize,
+    pub name: &'a str,
+    pub grid: u32,
+    pub block: u32,
+    pub smem: u32,
+}
+
+/// Launches `l.name` with `params` (the `#[repr(C)]` mirror of its parameter struct), entering
+/// the device's primary context when another one is current.
+pub(crate) fn launch_named<P>(l: &NamedLaunch<'_>, params: &mut P) -> Result<(), CudaError> {
+    let kernel = index_of(l.name)?;
+    let api = driver::api()?;
+    let st = device::state(l.device)?;
+    let _ctx = ContextGuard::enter(api, st.ctx)?;
+    launch(api, st, kernel, l.grid, l.block, l.smem, l.stream, params)
+}
+
+/// Blocks for a grid-stride loop over `work` items with `block` threads each: enough to cover
+/// the work, at most `per_sm` blocks per SM of `device`.
+pub(crate) fn grid_for(device: i32, work: u64, block: u32, per_sm: u32) -> Result<u32, CudaError> {
+    let sms = device::state(device)?.limits.sms.max(1);
+    let cover = work.div_ceil(u64::from(block)).max(1);
+    Ok(cover.min(u64::from(sms) * u64::from(per_sm)) as u32)
+}

@@ -1,0 +1,314 @@
+//! SwiGLU and GeGLU: `torchgraft::swiglu` / `geglu` and their backward ops, on CPU (graft-kernels)
+//! and CUDA (graft-cuda).
+//!
+//! `gate` and `up` must have the same sizes, dtype (a floating type) and device; any layout is
+//! accepted (non-contiguous inputs are copied first). Outputs are contiguous.
+
+use graft_abi::cuda::{current_stream, DeviceGuard};
+use graft_abi::{ensure, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
+use graft_cuda::{GluActivation, GluBackward, GluForward};
+use graft_kernels::glu::{self, Activation, GluMath};
+use graft_kernels::Float;
+use half::{bf16, f16};
+
+use crate::rms_norm::contiguous;
+use crate::stats::Counters;
+use crate::threads::TorchPool;
+
+pub static SWIGLU_CPU: Counters = Counters::new();
+pub static SWIGLU_CUDA: Counters = Counters::new();
+pub static SWIGLU_BACKWARD_CPU: Counters = Counters::new();
+pub static SWIGLU_BACKWARD_CUDA: Counters = Counters::new();
+pub static GEGLU_CPU: Counters = Counters::new();
+pub static GEGLU_CUDA: Counters = Counters::new();
+pub static GEGLU_BACKWARD_CPU: Counters = Counters::new();
+pub static GEGLU_BACKWARD_CUDA: Counters = Counters::new();
+
+fn gelu(tanh: bool) -> Activation {
+    if tanh {
+        Activation::GeluTanh
+    } else {
+        Activation::GeluErf
+    }
+}
+
+/// Checks the inputs like the eager `act(gate) * up` would (same device, a floating dtype),
+/// and that they have one shape (no broadcasting).
+fn check(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
+    let (_, first) = tensors[0];
+    let (sizes, dtype, device) = (first.sizes()?, first.dtype()?, first.device()?);
+    ensure!(
+        dtype.is_float(),
+        "\"{op}\" not implemented for '{}'",
+        dtype.name()
+    );
+    for (name, t) in &tensors[1..] {
+        let d = t.device()?;
+        ensure!(
+            d == device,
+            "Expected all tensors to be on the same device, but found at least two devices, \
+             {device} and {d}!"
+        );
+        ensure!(
+            t.dtype()? == dtype,
+            "{op}: expected {name} to have dtype {}, got {}",
+            dtype.name(),
+            t.dtype()?.name()
+        );
+        ensure!(
+            t.sizes()? == sizes,
+            "{op}: expected {name} of size {sizes:?}, got {:?}",
+            t.sizes()?
+        );
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------ CPU
+
+fn forward_cpu_typed<T: Float + Element>(
+    act: Activation,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<Tensor>
+where
+    T::Acc: GluMath,
+{
+    let (g, u) = (contiguous(gate)?, contiguous(up)?);
+    let mut y = NewTensor::empty(gate.sizes()?, T::DTYPE, Device::CPU)?;
+    glu::forward::<T>(
+        act,
+        g.as_slice()?,
+        u.as_slice()?,
+        y.as_mut_slice()?,
+        &TorchPool,
+    );
+    Ok(y.finish())
+}
+
+fn backward_cpu_typed<T: Float + Element>(
+    act: Activation,
+    grad: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)>
+where
+    T::Acc: GluMath,
+{
+    let (d, g, u) = (contiguous(grad)?, contiguous(gate)?, contiguous(up)?);
+    let sizes = gate.sizes()?;
+    let mut dg = NewTensor::empty(sizes, T::DTYPE, Device::CPU)?;
+    let mut du = NewTensor::empty(sizes, T::DTYPE, Device::CPU)?;
+    glu::backward::<T>(
+        act,
+        g.as_slice()?,
+        u.as_slice()?,
+        d.as_slice()?,
+        dg.as_mut_slice()?,
+        du.as_mut_slice()?,
+        &TorchPool,
+    );
+    Ok((dg.finish(), du.finish()))
+}
+
+fn forward_cpu(op: &str, act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check(op, &[("gate", gate), ("up", up)])?;
+    match gate.dtype()? {
+        DType::F32 => forward_cpu_typed::<f32>(act, gate, up),
+        DType::F64 => forward_cpu_typed::<f64>(act, gate, up),
+        DType::BF16 => forward_cpu_typed::<bf16>(act, gate, up),
+        DType::F16 => forward_cpu_typed::<f16>(act, gate, up),
+        other => Err(unsupported(op, other)),
+    }
+}
+
+fn backward_cpu(
+    op: &str,
+    act: Activation,
+    grad: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    check(op, &[("gate", gate), ("up", up), ("grad", grad)])?;
+    match gate.dtype()? {
+        DType::F32 => backward_cpu_typed::<f32>(act, grad, gate, up),
+        DType::F64 => backward_cpu_typed::<f64>(act, grad, gate, up),
+        DType::BF16 => backward_cpu_typed::<bf16>(act, grad, gate, up),
+        DType::F16 => backward_cpu_typed::<f16>(act, grad, gate, up),
+        other => Err(unsupported(op, other)),
+    }
+}
+
+fn unsupported(op: &str, dtype: DType) -> graft_abi::Error {
+    graft_abi::Error::msg(format!("\"{op}\" not implemented for '{}'", dtype.name()))
+}
+
+// ----------------------------------------------------------------------------------- CUDA
+
+fn cuda_dtype(op: &str, dtype: DType) -> Result<graft_cuda::DType> {
+    Ok(match dtype {
+        DType::F32 => graft_cuda::DType::F32,
+        DType::F64 => graft_cuda::DType::F64,
+        DType::BF16 => graft_cuda::DType::BF16,
+        DType::F16 => graft_cuda::DType::F16,
+        other => return Err(unsupported(op, other)),
+    })
+}
+
+fn ptr(t: &Tensor) -> Result<u64> {
+    Ok(t.data_ptr()? as u64)
+}
+
+fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
+    graft_abi::Error::msg(e.to_string())
+}
+
+fn forward_cuda(op: &str, act: GluActivation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check(op, &[("gate", gate), ("up", up)])?;
+    let device = gate.device()?;
+    let _guard = DeviceGuard::new(device.index)?;
+    let dtype = gate.dtype()?;
+    let (g, u) = (contiguous(gate)?, contiguous(up)?);
+    let y = NewTensor::empty(gate.sizes()?, dtype, device)?.finish();
+    graft_cuda::glu_forward(&GluForward {
+        device: device.index,
+        stream: current_stream(device.index)? as usize,
+        dtype: cuda_dtype(op, dtype)?,
+        activation: act,
+        gate: ptr(&g)?,
+        up: ptr(&u)?,
+        y: ptr(&y)?,
+        n: gate.numel()?,
+    })
+    .map_err(cuda_error)?;
+    Ok(y)
+}
+
+fn backward_cuda(
+    op: &str,
+    act: GluActivation,
+    grad: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    check(op, &[("gate", gate), ("up", up), ("grad", grad)])?;
+    let device = gate.device()?;
+    let _guard = DeviceGuard::new(device.index)?;
+    let dtype = gate.dtype()?;
+    let (d, g, u) = (contiguous(grad)?, contiguous(gate)?, contiguous(up)?);
+    let sizes = gate.sizes()?;
+    let dg = NewTensor::empty(sizes, dtype, device)?.finish();
+    let du = NewTensor::empty(sizes, dtype, device)?.finish();
+    graft_cuda::glu_backward(&GluBackward {
+        device: device.index,
+        stream: current_stream(device.index)? as usize,
+        dtype: cuda_dtype(op, dtype)?,
+        activation: act,
+        gate: ptr(&g)?,
+        up: ptr(&u)?,
+        dy: ptr(&d)?,
+        dgate: ptr(&dg)?,
+        dup: ptr(&du)?,
+        n: gate.numel()?,
+    })
+    .map_err(cuda_error)?;
+    Ok((dg, du))
+}
+
+fn cuda_gelu(tanh: bool) -> GluActivation {
+    if tanh {
+        GluActivation::GeluTanh
+    } else {
+        GluActivation::GeluErf
+    }
+}
+
+// -------------------------------------------------------------------------------- kernels
+
+/// `torchgraft::swiglu` at CPU.
+pub struct SwigluCpu;
+impl Kernel for SwigluCpu {
+    type Args = (Tensor, Tensor);
+    type Outputs = (Tensor,);
+    fn run((gate, up): Self::Args) -> Result<(Tensor,)> {
+        SWIGLU_CPU.call();
+        Ok((forward_cpu("swiglu", Activation::Silu, &gate, &up)?,))
+    }
+}
+
+/// `torchgraft::swiglu_backward` at CPU.
+pub struct SwigluBackwardCpu;
+impl Kernel for SwigluBackwardCpu {
+    type Args = (Tensor, Tensor, Tensor);
+    type Outputs = (Tensor, Tensor);
+    fn run((grad, gate, up): Self::Args) -> Result<(Tensor, Tensor)> {
+        SWIGLU_BACKWARD_CPU.call();
+        backward_cpu("swiglu_backward", Activation::Silu, &grad, &gate, &up)
+    }
+}
+
+/// `torchgraft::geglu` at CPU.
+pub struct GegluCpu;
+impl Kernel for GegluCpu {
+    type Args = (Tensor, Tensor, bool);
+    type Outputs = (Tensor,);
+    fn run((gate, up, tanh): Self::Args) -> Result<(Tensor,)> {
+        GEGLU_CPU.call();
+        Ok((forward_cpu("geglu", gelu(tanh), &gate, &up)?,))
+    }
+}
+
+/// `torchgraft::geglu_backward` at CPU.
+pub struct GegluBackwardCpu;
+impl Kernel for GegluBackwardCpu {
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Outputs = (Tensor, Tensor);
+    fn run((grad, gate, up, tanh): Self::Args) -> Result<(Tensor, Tensor)> {
+        GEGLU_BACKWARD_CPU.call();
+        backward_cpu("geglu_backward", gelu(tanh), &grad, &gate, &up)
+    }
+}
+
+/// `torchgraft::swiglu` at CUDA.
+pub struct SwigluCuda;
+impl Kernel for SwigluCuda {
+    type Args = (Tensor, Tensor);
+    type Outputs = (Tensor,);
+    fn run((gate, up): Self::Args) -> Result<(Tensor,)> {
+        SWIGLU_CUDA.call();
+        Ok((forward_cuda("swiglu", GluActivation::Silu, &gate, &up)?,))
+    }
+}
+
+/// `torchgraft::swiglu_backward` at CUDA.
+pub struct SwigluBackwardCuda;
+impl Kernel for SwigluBackwardCuda {
+    type Args = (Tensor, Tensor, Tensor);
+    type Outputs = (Tensor, Tensor);
+    fn run((grad, gate, up): Self::Args) -> Result<(Tensor, Tensor)> {
+        SWIGLU_BACKWARD_CUDA.call();
+        backward_cuda("swiglu_backward", GluActivation::Silu, &grad, &gate, &up)
+    }
+}
+
+/// `torchgraft::geglu` at CUDA.
+pub struct GegluCuda;
+impl Kernel for GegluCuda {
+    type Args = (Tensor, Tensor, bool);
+    type Outputs = (Tensor,);
+    fn run((gate, up, tanh): Self::Args) -> Result<(Tensor,)> {
+        GEGLU_CUDA.call();
+        Ok((forward_cuda("geglu", cuda_gelu(tanh), &gate, &up)?,))
+    }
+}
+
+/// `torchgraft::geglu_backward` at CUDA.
+pub struct GegluBackwardCuda;
+impl Kernel for GegluBackwardCuda {
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Outputs = (Tensor, Tensor);
+    fn run((grad, gate, up, tanh): Self::Args) -> Result<(Tensor, Tensor)> {
+        GEGLU_BACKWARD_CUDA.call();
+        backward_cuda("geglu_backward", cuda_gelu(tanh), &grad, &gate, &up)
+    }
+}

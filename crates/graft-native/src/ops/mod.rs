@@ -1,0 +1,133 @@
+//! torchgraft's own operators (`torchgraft::*`): fused ops that no single aten op covers.
+//!
+//! Unlike the grafts, these replace nothing, so they are not switched by `enable()`/`disable()`:
+//! [`define`] defines each schema once per process and registers its kernels at CPU (Rust) and,
+//! when this build and process can run them, CUDA (graft-cuda). Their autograd formulas and
+//! fake (meta) functions live in Python (`torchgraft.ops.<op>.custom_op`), which calls the
+//! backward ops defined here. Adding an op is one row of [`OPS`] plus its kernel module.
+
+mod glu;
+
+use std::sync::Mutex;
+
+use graft_abi::{Library, Result};
+
+use crate::stats::Counters;
+use crate::GraftInfo;
+
+/// One operator: its schema and its kernels.
+struct CustomOp {
+    /// Qualified operator name, e.g. `torchgraft::swiglu`.
+    op: &'static str,
+    schema: &'static std::ffi::CStr,
+    register_cpu: fn(&mut Library) -> Result<()>,
+    register_cuda: fn(&mut Library) -> Result<()>,
+    cpu_counters: &'static Counters,
+    cuda_counters: &'static Counters,
+}
+
+const OPS: &[CustomOp] = &[
+    CustomOp {
+        op: "torchgraft::swiglu",
+        schema: c"swiglu(Tensor gate, Tensor up) -> Tensor",
+        register_cpu: |lib| lib.register::<glu::SwigluCpu>(c"swiglu"),
+        register_cuda: |lib| lib.register::<glu::SwigluCuda>(c"swiglu"),
+        cpu_counters: &glu::SWIGLU_CPU,
+        cuda_counters: &glu::SWIGLU_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::swiglu_backward",
+        schema: c"swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<glu::SwigluBackwardCpu>(c"swiglu_backward"),
+        register_cuda: |lib| lib.register::<glu::SwigluBackwardCuda>(c"swiglu_backward"),
+        cpu_counters: &glu::SWIGLU_BACKWARD_CPU,
+        cuda_counters: &glu::SWIGLU_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::geglu",
+        schema: c"geglu(Tensor gate, Tensor up, bool tanh) -> Tensor",
+        register_cpu: |lib| lib.register::<glu::GegluCpu>(c"geglu"),
+        register_cuda: |lib| lib.register::<glu::GegluCuda>(c"geglu"),
+        cpu_counters: &glu::GEGLU_CPU,
+        cuda_counters: &glu::GEGLU_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::geglu_backward",
+        schema:
+            c"geglu_backward(Tensor grad, Tensor gate, Tensor up, bool tanh) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<glu::GegluBackwardCpu>(c"geglu_backward"),
+        register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
+        cpu_counters: &glu::GEGLU_BACKWARD_CPU,
+        cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+    },
+];
+
+/// The libraries holding the definitions and kernels, kept for the life of the process once
+/// made (an operator cannot be redefined while graphs may refer to it).
+struct Defined {
+    _libraries: Vec<Library>,
+    cuda: bool,
+}
+
+static DEFINED: Mutex<Option<Defined>> = Mutex::new(None);
+
+/// Defines every `torchgraft::` operator and registers its kernels (idempotent). Needs libtorch
+/// loaded in the process.
+pub fn define() -> Result<()> {
+    let mut defined = DEFINED.lock().unwrap_or_else(|e| e.into_inner());
+    if defined.is_some() {
+        return Ok(());
+    }
+    graft_abi::load()?;
+    let mut schemas = Library::fragment(c"torchgraft")?;
+    let mut cpu = Library::implementations(c"torchgraft", c"CPU")?;
+    for op in OPS {
+        schemas.define(op.schema)?;
+        (op.register_cpu)(&mut cpu)?;
+    }
+    let mut libraries = vec![schemas, cpu];
+    let cuda = crate::cuda_status().is_ok();
+    if cuda {
+        let mut lib = Library::implementations(c"torchgraft", c"CUDA")?;
+        for op in OPS {
+            (op.register_cuda)(&mut lib)?;
+        }
+        libraries.push(lib);
+    }
+    *defined = Some(Defined {
+        _libraries: libraries,
+        cuda,
+    });
+    Ok(())
+}
+
+/// The operators' kernels with their counters (`active`: registered in this process).
+pub fn kernels() -> Vec<GraftInfo> {
+    let defined = DEFINED.lock().unwrap_or_else(|e| e.into_inner());
+    let (any, cuda) = defined.as_ref().map_or((false, false), |d| (true, d.cuda));
+    let mut out = Vec::with_capacity(OPS.len() * 2);
+    for op in OPS {
+        for (key, counters, active) in [
+            ("CPU", op.cpu_counters, any),
+            ("CUDA", op.cuda_counters, cuda),
+        ] {
+            let (calls, fallbacks) = counters.read();
+            out.push(GraftInfo {
+                op: op.op,
+                dispatch_key: key,
+                active,
+                calls,
+                fallbacks,
+            });
+        }
+    }
+    out
+}
+
+/// Zeroes every operator kernel's counters.
+pub fn reset_stats() {
+    for op in OPS {
+        op.cpu_counters.reset();
+        op.cuda_counters.reset();
+    }
+}
