@@ -81,6 +81,14 @@ class GatedRMSNorm(LlamaStyleRMSNorm):
         return super().forward(hidden_states) * F.silu(gate)
 
 
+class ResidualRMSNorm(LlamaStyleRMSNorm):
+    """An optional second input: a one-input replacement could meet a call passing it."""
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        out = super().forward(hidden_states)
+        return out if residual is None else out + residual
+
+
 class Block(nn.Module):
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -147,13 +155,39 @@ class _nothing:
 
 
 @pytest.mark.parametrize(
+    ("norm", "variant"),
+    [
+        (LlamaStyleRMSNorm(16), "llama-style, weight fused"),
+        (Fp32WeightRMSNorm(16), "fp32-weight"),
+        (GemmaStyleRMSNorm(16), "gemma-style (1 + weight), weight fused"),
+    ],
+    ids=["llama", "fp32-weight", "gemma"],
+)
+def test_fuse_weight_puts_the_weight_in_the_kernel_within_tolerance(norm, variant):
+    model = _randomize(Block(norm)).to(torch.bfloat16)
+    x = _x(torch.bfloat16).requires_grad_(True)
+    ref = model(x)
+    (ref_dx,) = torch.autograd.grad(ref.sum(), x)
+    (row,) = torchgraft.adopt(model, fuse_weight=True).rows
+    assert (row.status, row.route) == (ADOPTED, f"{variant} -> aten::_fused_rms_norm")
+    with torchgraft.enabled():
+        out = model(x)
+        (dx,) = torch.autograd.grad(out.sum(), x)
+    assert out.dtype == ref.dtype
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+    assert rel_err(dx, ref_dx) <= TOLERANCE[torch.bfloat16]
+    torchgraft.unadopt(model)
+
+
+@pytest.mark.parametrize(
     ("norm", "why"),
     [
         (CenteredRMSNorm(16), "no variant matches"),
         (NoisyRMSNorm(16), "no variant matches"),
-        (GatedRMSNorm(16), "does not take exactly one input"),
+        (GatedRMSNorm(16), "other arguments than one input"),
+        (ResidualRMSNorm(16), "other arguments than one input"),
     ],
-    ids=["centered", "dropout", "gated"],
+    ids=["centered", "dropout", "gated", "optional-residual"],
 )
 def test_layers_no_variant_matches_are_left_exactly_as_they_were(norm, why):
     model = _randomize(Block(norm))
@@ -345,6 +379,48 @@ def test_via_forward_kernels_and_no_kernels(monkeypatch):
         torchgraft.adopt(Block(TaggedRMSNorm(16)), via="kernels")
     with pytest.raises(ValueError, match="via must be one of"):
         torchgraft.adopt(model, via="hub")
+
+
+def test_the_hub_tag_does_not_decide_the_variant():
+    # Qwen3.5's RMSNorm carries the tag "RMSNorm" and computes the gemma-style formula.
+    class TaggedGemmaStyle(GemmaStyleRMSNorm):
+        kernel_layer_name = "RMSNorm"
+
+    model = _randomize(Block(TaggedGemmaStyle(16)))
+    x = _x()
+    ref = model(x)
+    (row,) = torchgraft.adopt(model).rows
+    assert (row.status, row.route) == (ADOPTED, "gemma-style (1 + weight) -> aten::_fused_rms_norm")
+    assert rel_err(model(x), ref) <= 1e-6
+    torchgraft.unadopt(model)
+
+
+def test_when_kernels_declines(monkeypatch):
+    pytest.importorskip("kernels")
+    from torchgraft.adopt import hub
+
+    class TaggedRMSNorm(LlamaStyleRMSNorm):
+        kernel_layer_name = "RMSNorm"
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("no layer for you")
+
+    monkeypatch.setattr(hub, "kernelize", refuse)
+    model = Block(TaggedRMSNorm(16))
+    (row,) = torchgraft.adopt(model).rows  # auto: falls back to setting forward
+    assert (row.status, row.via) == (ADOPTED, "forward")
+    assert "kernels declined (RuntimeError: no layer for you)" in row.reason
+    assert torchgraft.unadopt(model) == 1 and instance_forwards(model) == {}
+    (row,) = torchgraft.adopt(model, via="kernels").rows  # insisting: left alone
+    assert (row.status, row.reason) == (SKIPPED, "kernels declined: RuntimeError: no layer for you")
+    assert instance_forwards(model) == {} and torchgraft.unadopt(model) == 0
+
+    # kernels' own switch (DISABLE_KERNEL_MAPPING) makes it put the class's forward instead.
+    monkeypatch.undo()
+    monkeypatch.setattr("kernels.layer.layer._DISABLE_KERNEL_MAPPING", True)
+    (row,) = torchgraft.adopt(model, via="kernels").rows
+    assert row.status == SKIPPED and "kept the layer's own forward" in row.reason
+    assert instance_forwards(model) == {}
 
 
 def test_hub_tagged_layers_without_an_adopter_are_reported():

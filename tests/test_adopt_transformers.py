@@ -6,6 +6,7 @@ against the functional contract."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 
@@ -177,6 +178,8 @@ def test_fused_op_adopters_against_the_functional_contract(monkeypatch, family):
         )
     assert pymod.apply_rotary_pos_emb is not own_rope
     assert "_loss_function" in vars(model)
+    again = torchgraft.adopt(model)
+    assert {r.status for r in again.rows if r.kind != "hub_layer"} == {"already adopted"}
     with torchgraft.enabled():
         step = train_step(model, ids, labels)
     assert_steps_close(step, ref, TOLERANCE[torch.float32])
@@ -191,6 +194,18 @@ def test_fused_op_adopters_against_the_functional_contract(monkeypatch, family):
     assert "_loss_function" not in vars(model) and instance_forwards(model) == {}
     again = train_step(model, ids, labels)
     assert torch.equal(again.logits, ref.logits) and torch.equal(again.loss, ref.loss)
+
+
+def test_a_collected_model_lets_go_of_the_global_rope(monkeypatch):
+    use_functional(monkeypatch, contract_module())
+    model = tiny_model("qwen2")
+    pymod = sys.modules[type(model).__module__]
+    own_rope = pymod.apply_rotary_pos_emb
+    torchgraft.adopt(model)
+    assert pymod.apply_rotary_pos_emb is not own_rope
+    del model
+    gc.collect()
+    assert pymod.apply_rotary_pos_emb is own_rope
 
 
 def test_the_loss_adopter_keeps_gradient_accumulation_semantics(monkeypatch):

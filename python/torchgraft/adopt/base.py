@@ -56,8 +56,6 @@ class Candidate:
     """Preset outcome: ``native`` (nothing to do) or ``skipped`` (cannot be adopted)."""
     reason: str = ""
     route: str = ""
-    claims: Sequence[nn.Module] = ()
-    """Sub-modules this candidate accounts for (not reported again on their own)."""
     preference_key: object = None
     """Candidates with the same key (same class) try first the variant the previous one took."""
 
@@ -119,8 +117,8 @@ def hub_name(module: object) -> str | None:
 
 
 def single_input(forward: Callable[..., object]) -> bool:
-    """Whether ``forward`` (bound) takes exactly one required positional argument and nothing
-    else required."""
+    """Whether ``forward`` (bound) takes exactly one positional argument and nothing else: a
+    replacement taking one input must not meet a call passing more."""
     import inspect
 
     try:
@@ -128,10 +126,4 @@ def single_input(forward: Callable[..., object]) -> bool:
     except (TypeError, ValueError):
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [
-        p
-        for p in params
-        if p.default is inspect.Parameter.empty
-        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
-    return len(required) == 1 and required[0].kind in positional
+    return len(params) == 1 and params[0].kind in positional

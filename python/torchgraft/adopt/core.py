@@ -7,6 +7,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -118,11 +119,11 @@ def _probing(model: nn.Module) -> Iterator[None]:
 
 def _settle(model: nn.Module, c: Candidate, ctx: Context) -> AdoptionRow:
     """Verify the candidate's variants and install the best; the row says what happened."""
-    row = AdoptionRow(c.path, c.layer, c.kind, c.status or SKIPPED, c.route, reason=c.reason)
-    if _already(c):
+    if _already(model, c):
         return AdoptionRow(c.path, c.layer, c.kind, ALREADY, c.route)
     if c.status or not c.variants:
-        return row
+        reason = c.reason or "nothing to adopt"
+        return AdoptionRow(c.path, c.layer, c.kind, c.status or SKIPPED, c.route, reason=reason)
     if c.slot_kind == "global" and c.cases is None:
         # Installed and verified by an earlier adopt() of another model: hold it too.
         return _install(model, c, c.variants[0], None, ctx)
@@ -140,9 +141,9 @@ def _settle(model: nn.Module, c: Candidate, ctx: Context) -> AdoptionRow:
     return _install(model, c, chosen, verdict.max_err, ctx)
 
 
-def _already(c: Candidate) -> bool:
+def _already(model: nn.Module, c: Candidate) -> bool:
     if c.slot_kind == "global":
-        return False
+        return slots.holds_global(model, c.owner, c.slot)  # type: ignore[arg-type]
     return slots.is_installed(c.owner, c.slot)
 
 
@@ -187,31 +188,27 @@ def _install(
     model: nn.Module, c: Candidate, variant: Variant, max_err: float | None, ctx: Context
 ) -> AdoptionRow:
     route = f"{variant.name} -> {variant.op}"
-    row = AdoptionRow(c.path, c.layer, c.kind, ADOPTED, route, via=c.slot_kind, max_err=max_err)
+    via = {"forward": "forward", "attribute": c.slot.lstrip("_"), "global": "global"}[c.slot_kind]
+    row = AdoptionRow(c.path, c.layer, c.kind, ADOPTED, route, via, max_err=max_err)
     if c.slot_kind == "global":
-        note = "process-wide while an adopted model holds it"
-        row = AdoptionRow(c.path, c.layer, c.kind, ADOPTED, route, "global", note, max_err)
+        row = replace(row, reason="process-wide while an adopted model holds it")
         slots.hold_global(model, c.owner, c.slot, variant.function, row)  # type: ignore[arg-type]
-    elif c.slot_kind == "forward" and c.hub_name and ctx.use_kernels:
-        row = AdoptionRow(c.path, c.layer, c.kind, ADOPTED, route, "kernels", max_err=max_err)
+        return row
+    if c.slot_kind == "forward" and c.hub_name and ctx.use_kernels and _leaf(c.owner):
+        row = replace(row, via="kernels")
         failure = _kernelize(c, variant, row)
-        if failure and ctx.via == "kernels":
-            return AdoptionRow(c.path, c.layer, c.kind, SKIPPED, route, "kernels", failure)
-        if failure:
-            row = AdoptionRow(
-                c.path,
-                c.layer,
-                c.kind,
-                ADOPTED,
-                route,
-                "forward",
-                f"kernels declined ({failure}); set on forward",
-                max_err,
-            )
-            slots.install(c.owner, c.slot, variant.function, row, bind=True)
-    else:
-        slots.install(c.owner, c.slot, variant.function, row, bind=c.slot_kind == "forward")
+        if not failure:
+            return row
+        if ctx.via == "kernels":
+            return replace(row, status=SKIPPED, reason=f"kernels declined: {failure}", max_err=None)
+        row = replace(row, via="forward", reason=f"kernels declined ({failure}); set on forward")
+    slots.install(c.owner, c.slot, variant.function, row, bind=c.slot_kind == "forward")
     return row
+
+
+def _leaf(module: object) -> bool:
+    # kernels.kernelize walks sub-modules too: only leaves are handed to it.
+    return isinstance(module, nn.Module) and next(module.children(), None) is None
 
 
 def _kernelize(c: Candidate, variant: Variant, row: AdoptionRow) -> str:

@@ -99,57 +99,49 @@ class GatedMLPAdopter:
     finds = "children gate_proj/up_proj/down_proj, gate_up_proj/down_proj or w1/w3/w2 + activation"
 
     def __init__(self) -> None:
+        # One replacement function per (layout, op, arguments), shared by every adopted layer.
         self._variants: dict[tuple[object, ...], Variant] = {}
 
     def candidates(self, model: nn.Module, ctx: Context) -> Iterator[Candidate]:
         for path, module in model.named_modules():
-            if id(module) in ctx.claimed:
-                continue
-            layout = _layout(module)
-            if layout is None:
-                continue
-            activation = next(
-                (getattr(module, a) for a in layout.activations if hasattr(module, a)), None
-            )
-            claims = [m for m in (activation,) if isinstance(m, nn.Module)]
-            ctx.claimed.update(id(m) for m in (module, *claims))
-            base = Candidate(
-                self.kind,
-                path,
-                type(module).__name__,
-                module,
-                "forward",
-                "forward",
-                hub_name=hub_name(module),
-                claims=claims,
-            )
-            op = gating(activation) if (activation is not None or not layout.activations) else None
-            if op is None:
-                base.status, base.reason = (
-                    SKIPPED,
-                    (f"activation {type(activation).__name__} has no fused gated op"),
-                )
-                yield base
-                continue
-            fn, missing = ctx.functional_op(op[0])
-            if fn is None:
-                base.status, base.reason = SKIPPED, missing
-                yield base
-                continue
-            why = _not_plain(module, layout)
-            if why:
-                base.status, base.reason = SKIPPED, why
-                yield base
-                continue
-            key = (layout, fn, tuple(sorted(op[1].items())))
-            if key not in self._variants:
-                self._variants[key] = _forward(layout, fn, op[1])
-            base.own = module.forward
-            base.variants = (self._variants[key],)
-            base.cases = functools.partial(_cases, module, layout)
-            base.run = functools.partial(_run, module)
-            base.preference_key = (self.kind, type(module))
-            yield base
+            layout = _layout(module) if id(module) not in ctx.claimed else None
+            if layout is not None:
+                yield self._candidate(path, module, layout, ctx)
+
+    def _candidate(self, path: str, module: nn.Module, layout: Layout, ctx: Context) -> Candidate:
+        activation = next(
+            (getattr(module, a) for a in layout.activations if hasattr(module, a)), None
+        )
+        # The activation is part of this layer: not reported again on its own.
+        ctx.claimed.update(id(m) for m in (module, activation) if isinstance(m, nn.Module))
+        c = Candidate(
+            self.kind,
+            path,
+            type(module).__name__,
+            module,
+            "forward",
+            "forward",
+            hub_name=hub_name(module),
+        )
+        op = gating(activation) if activation is not None or not layout.activations else None
+        if op is None:
+            c.status, c.reason = SKIPPED, f"activation {type(activation).__name__} has no fused op"
+            return c
+        name, kwargs = op
+        fn, missing = ctx.functional_op(name)
+        why = missing or _not_plain(module, layout)
+        if fn is None or why:
+            c.status, c.reason = SKIPPED, why
+            return c
+        key = (layout, fn, tuple(sorted(kwargs.items())))
+        if key not in self._variants:
+            self._variants[key] = _forward(layout, fn, kwargs)
+        c.own = module.forward
+        c.variants = (self._variants[key],)
+        c.cases = functools.partial(_cases, module, layout)
+        c.run = functools.partial(_run, module)
+        c.preference_key = (self.kind, type(module))
+        return c
 
 
 def _layout(module: nn.Module) -> Layout | None:
@@ -181,11 +173,13 @@ def _cases(module: nn.Module, layout: Layout) -> list[Case]:
     weight = first.weight
     hidden = weight.shape[1]
     gen = torch.Generator().manual_seed(0)
-    x = random_tensor((2, 3, hidden), gen, weight.dtype, weight.device).requires_grad_(True)
+    # Quantized projections keep integer weights: feed them a float32 input.
+    dtype = weight.dtype if weight.is_floating_point() else torch.float32
+    x = random_tensor((2, 3, hidden), gen, dtype, weight.device).requires_grad_(True)
     params = tuple(p for p in module.parameters() if p.requires_grad)
     return [
         Case(
-            f"{_short(weight.dtype)}, {'train' if t else 'eval'}",
+            f"{_short(dtype)}, {'train' if t else 'eval'}",
             (x,),
             leaves=(x, *params),
             training=t,

@@ -21,6 +21,7 @@ that agrees best; a layer no variant matches is left alone. ``nn.RMSNorm`` alrea
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 
@@ -89,6 +90,8 @@ def _llama_fused(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.T
 
 def _gemma_fused(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     assert w is not None
+    if w.dtype != x.dtype:  # keep a float32 weight's precision (mixed precision)
+        return _gemma_style(x, w, eps)
     return rms_norm(x, (1.0 + w.float()).to(x.dtype), eps)
 
 
@@ -98,8 +101,8 @@ EXACT: tuple[tuple[str, Formula], ...] = (
     ("gemma-style (1 + weight)", _gemma_style),
 )
 FUSED: tuple[tuple[str, Formula], ...] = (
+    ("fp32-weight", _fp32_weight),  # first: ties with the next where the dtypes agree
     ("llama-style, weight fused", _llama_fused),
-    ("fp32-weight", _fp32_weight),
     ("gemma-style (1 + weight), weight fused", _gemma_fused),
 )
 UNWEIGHTED: tuple[tuple[str, Formula], ...] = (("unweighted", _unweighted),)
@@ -142,46 +145,38 @@ class RMSNormAdopter:
 
     def candidates(self, model: nn.Module, ctx: Context) -> Iterator[Candidate]:
         for path, module in model.named_modules():
-            if id(module) in ctx.claimed:
-                continue
             tag = hub_name(module)
-            if isinstance(module, nn.RMSNorm):
-                ctx.claimed.add(id(module))
-                yield self._base(
-                    path,
-                    module,
-                    tag,
-                    status=NATIVE,
-                    route=f"F.rms_norm -> {OP}",
-                    reason="nn.RMSNorm calls F.rms_norm already",
-                )
-            elif tag == HUB_NAME or _NAME.search(type(module).__name__):
-                ctx.claimed.add(id(module))
-                yield self._candidate(path, module, tag, ctx)
+            native = isinstance(module, nn.RMSNorm)
+            if id(module) in ctx.claimed or not (
+                native or tag == HUB_NAME or _NAME.search(type(module).__name__)
+            ):
+                continue
+            ctx.claimed.add(id(module))
+            c = Candidate(
+                self.kind, path, type(module).__name__, module, "forward", "forward", hub_name=tag
+            )
+            if native:
+                c.status, c.route = NATIVE, f"F.rms_norm -> {OP}"
+                c.reason = "nn.RMSNorm calls F.rms_norm already"
+            else:
+                _plan(c, module, ctx)
+            yield c
 
-    def _base(self, path: str, module: nn.Module, tag: str | None, **kw: object) -> Candidate:
-        return Candidate(
-            self.kind, path, type(module).__name__, module, "forward", "forward", hub_name=tag, **kw
-        )  # type: ignore[arg-type]
 
-    def _candidate(self, path: str, module: nn.Module, tag: str | None, ctx: Context) -> Candidate:
-        why = _not_plain(module)
-        if why:
-            return self._base(path, module, tag, status=SKIPPED, reason=why)
-        eps_attr = next(a for a in EPS_ATTRS if isinstance(getattr(module, a, None), float | int))
-        weight = module._parameters.get("weight")
-        variants = VARIANTS[(weight is not None, eps_attr, ctx.fuse_weight)]
-        hidden = weight.shape[0] if weight is not None else 16
-        return self._base(
-            path,
-            module,
-            tag,
-            own=module.forward,
-            variants=variants,
-            cases=lambda: _cases(module, hidden),
-            run=lambda fn, case: _run(module, fn, case),
-            preference_key=(self.kind, type(module)),
-        )
+def _plan(c: Candidate, module: nn.Module, ctx: Context) -> None:
+    """Fill in the variants and probes of a hand-written RMSNorm, or why it is skipped."""
+    why = _not_plain(module)
+    if why:
+        c.status, c.reason = SKIPPED, why
+        return
+    eps_attr = next(a for a in EPS_ATTRS if isinstance(getattr(module, a, None), float | int))
+    weight = module._parameters.get("weight")
+    hidden = weight.shape[0] if weight is not None else 16
+    c.own = module.forward
+    c.variants = VARIANTS[(weight is not None, eps_attr, ctx.fuse_weight)]
+    c.cases = functools.partial(_cases, module, hidden)
+    c.run = functools.partial(_run, module)
+    c.preference_key = ("rms_norm", type(module))
 
 
 def _not_plain(module: nn.Module) -> str:
@@ -199,7 +194,7 @@ def _not_plain(module: nn.Module) -> str:
     if weight is not None and weight.is_meta:
         return "parameters on the meta device: load the weights first"
     if not single_input(module.forward):
-        return "forward does not take exactly one input (gated or fused RMSNorm)"
+        return "forward takes other arguments than one input (gated RMSNorm?)"
     return ""
 
 

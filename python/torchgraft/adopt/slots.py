@@ -150,7 +150,9 @@ def hold_global(
         patch.holders[id(holder)] = weakref.ref(
             holder, functools.partial(_dropped, key, id(holder))
         )
-    vars(holder).setdefault(RECORDS, _Records())[f"global:{key[0]}.{name}"] = GlobalRecord(key, row)
+    vars(holder).setdefault(RECORDS, _Records())[_global_record(module, name)] = GlobalRecord(
+        key, row
+    )
 
 
 @dataclass
@@ -159,6 +161,17 @@ class GlobalRecord:
 
     key: tuple[str, str]
     row: AdoptionRow
+
+
+def _global_record(module: types.ModuleType, name: str) -> str:
+    return f"global:{module.__name__}.{name}"
+
+
+def holds_global(holder: object, module: types.ModuleType, name: str) -> bool:
+    """Whether ``holder`` holds the replacement of ``module.name``."""
+    rec = records(holder).get(_global_record(module, name))
+    patch = _globals.get((module.__name__, name))
+    return isinstance(rec, GlobalRecord) and patch is not None and id(holder) in patch.holders
 
 
 def held_global(module: types.ModuleType, name: str) -> Callable[..., object] | None:
