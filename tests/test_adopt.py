@@ -235,7 +235,9 @@ def test_the_llama_claim_f_rms_norm_without_weight_is_the_float32_expression_rou
 
 def test_adoption_keeps_parameters_state_dict_hooks_and_to():
     model = _randomize(nn.Sequential(Block(LlamaStyleRMSNorm(16)), Block(GemmaStyleRMSNorm(16))))
+    model[0].norm.register_buffer("seen", torch.zeros(2))
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     calls: list[str] = []
     norm = model[0].norm
@@ -251,6 +253,7 @@ def test_adoption_keeps_parameters_state_dict_hooks_and_to():
     report = torchgraft.adopt(model)
     assert report.count("rms_norm") == 2
     assert dict(model.named_parameters()) == params  # the same Parameter objects
+    assert dict(model.named_buffers()) == buffers
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     calls.clear()
@@ -379,6 +382,13 @@ def test_via_forward_kernels_and_no_kernels(monkeypatch):
         torchgraft.adopt(Block(TaggedRMSNorm(16)), via="kernels")
     with pytest.raises(ValueError, match="via must be one of"):
         torchgraft.adopt(model, via="hub")
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"adopt\(\) expects a torch.nn.Module, got function"):
+        torchgraft.adopt(lambda x: x)
+    with pytest.raises(TypeError, match=r"unadopt\(\) expects a torch.nn.Module, got int"):
+        torchgraft.unadopt(3)
 
 
 def test_the_hub_tag_does_not_decide_the_variant():

@@ -67,6 +67,7 @@ def adopt(model: nn.Module, *, via: str = "auto", fuse_weight: bool = False) -> 
     Returns:
         An :class:`AdoptionReport`; ``print(report)`` shows a table.
     """
+    _check_module("adopt", model)
     if via not in VIA:
         raise ValueError(f"via must be one of {VIA}, got {via!r}")
     use_kernels = via == "kernels" or (via == "auto" and hub.available())
@@ -91,6 +92,7 @@ def unadopt(model: nn.Module) -> int:
     Returns:
         How many replacements were undone.
     """
+    _check_module("unadopt", model)
     undone = 0
     with _lock:
         for path, module in model.named_modules():
@@ -106,6 +108,11 @@ def unadopt(model: nn.Module) -> int:
                         stacklevel=2,
                     )
     return undone
+
+
+def _check_module(name: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name}() expects a torch.nn.Module, got {type(model).__name__}")
 
 
 @contextlib.contextmanager

@@ -80,44 +80,36 @@ def compare(
         try:
             ref = run(own, case)
         except Exception as e:
-            return Verdict(
-                False,
-                float("inf"),
-                float("inf"),
-                f"own forward failed on the probe ({case.label}): {type(e).__name__}: {e}",
-            )
+            return _failed(f"own forward failed on the probe ({case.label}): {_one_line(e)}")
         try:
             out = run(replacement, case)
         except Exception as e:
-            return Verdict(
-                False,
-                float("inf"),
-                float("inf"),
-                f"replacement failed on the probe ({case.label}): {type(e).__name__}: {e}",
-            )
+            return _failed(f"replacement failed on the probe ({case.label}): {_one_line(e)}")
         ref_t, out_t, why = _tensors(ref, out)
         if why:
-            return Verdict(False, float("inf"), float("inf"), f"{why} ({case.label})")
-        pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
-            (f"output {i}", o, r) for i, (o, r) in enumerate(zip(out_t, ref_t, strict=True))
-        ]
+            return _failed(f"{why} ({case.label})")
         grads, why = _gradient_pairs(ref_t, out_t, case.leaves, seed)
         if why:
-            return Verdict(False, float("inf"), float("inf"), f"{why} ({case.label})")
-        pairs += grads
-        for what, o, r in pairs:
+            return _failed(f"{why} ({case.label})")
+        outputs = [(f"output {i}", o, r) for i, (o, r) in enumerate(zip(out_t, ref_t, strict=True))]
+        for what, o, r in outputs + grads:
             err, tol, why = _distance(o, r)
             if why:
-                return Verdict(False, float("inf"), float("inf"), f"{what}: {why} ({case.label})")
+                return _failed(f"{what}: {why} ({case.label})")
             max_err, score = max(max_err, err), max(score, err / tol)
             if err > tol:
-                return Verdict(
-                    False,
-                    max_err,
-                    score,
-                    f"{what} differs: relative error {err:.1e} > {tol:.0e} ({case.label})",
-                )
+                reason = f"{what} differs: relative error {err:.1e} > {tol:.0e} ({case.label})"
+                return Verdict(False, max_err, score, reason)
     return Verdict(True, max_err, score)
+
+
+def _failed(reason: str) -> Verdict:
+    return Verdict(False, float("inf"), float("inf"), reason)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def _tensors(ref: object, out: object) -> tuple[list[torch.Tensor], list[torch.Tensor], str]:
@@ -146,9 +138,12 @@ def _tensors(ref: object, out: object) -> tuple[list[torch.Tensor], list[torch.T
     return ref_t, out_t, ""
 
 
+Pair = tuple[str, torch.Tensor | None, torch.Tensor | None]
+
+
 def _gradient_pairs(
     ref: list[torch.Tensor], out: list[torch.Tensor], leaves: tuple[torch.Tensor, ...], seed: int
-) -> tuple[list[tuple[str, torch.Tensor | None, torch.Tensor | None]], str]:
+) -> tuple[list[Pair], str]:
     """Back-propagates the same random upstream gradients through both sides; returns the
     gradient pairs, or why there are none to compare."""
     differentiable = [i for i, r in enumerate(ref) if r.requires_grad and r.is_floating_point()]
