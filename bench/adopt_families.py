@@ -48,8 +48,9 @@ def check(model_type: str) -> str:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SIZES)).eval()
         with torch.no_grad():
             for m in model.modules():  # norms start at ones/zeros: make a wrong variant show
-                if type(m).__name__.lower().endswith("rmsnorm") and hasattr(m, "weight"):
-                    m.weight.normal_(0.5, 0.3)
+                weight = getattr(m, "weight", None)
+                if type(m).__name__.lower().endswith("rmsnorm") and weight is not None:
+                    weight.normal_(0.5, 0.3)
             ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
             ref = model(input_ids=ids).logits
     except Exception as e:

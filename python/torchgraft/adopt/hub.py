@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 _layers: dict[Callable[..., object], type[nn.Module]] = {}
-_repositories: dict[type[nn.Module], LayerRepository] = {}
+_repositories: dict[type[nn.Module], InProcessRepository] = {}
 
 
 def available() -> bool:
@@ -29,7 +29,7 @@ def available() -> bool:
         return False
 
 
-class LayerRepository:
+class InProcessRepository:
     """A ``kernels`` repository that loads a torchgraft layer class from this process."""
 
     def __init__(self, layer: type[nn.Module]) -> None:
@@ -60,7 +60,7 @@ def kernelize(module: nn.Module, hub_name: str, forward: Callable[..., object]) 
     import kernels
 
     layer = layer_class(hub_name, forward)
-    repository = _repositories.setdefault(layer, LayerRepository(layer))
+    repository = _repositories.setdefault(layer, InProcessRepository(layer))
     device = _device_type(module)
     mapping = {hub_name: {device: repository}}
     with kernels.use_kernel_mapping(mapping, inherit_mapping=False):

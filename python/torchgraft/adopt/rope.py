@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -55,14 +56,14 @@ class RopeAdopter:
             if name in seen or pymod is None or not callable(getattr(pymod, FUNCTION, None)):
                 continue
             seen.add(name)
-            yield self._candidate(model, pymod, ctx)
+            yield self._candidate(pymod, ctx)
 
-    def _candidate(self, model: nn.Module, pymod: object, ctx: Context) -> Candidate:
+    def _candidate(self, pymod: types.ModuleType, ctx: Context) -> Candidate:
         own = getattr(pymod, FUNCTION)
         base = Candidate(
             self.kind, f"{pymod.__name__}.{FUNCTION}", FUNCTION, pymod, FUNCTION, "global"
         )
-        held = slots.held_global(pymod, FUNCTION)  # type: ignore[arg-type]
+        held = slots.held_global(pymod, FUNCTION)
         if held is not None and own is held:
             # Another adopted model installed (and verified) it: hold it too.
             base.variants = (Variant("rotate_half", "torchgraft::rope", held),)
