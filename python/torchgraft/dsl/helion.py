@@ -28,10 +28,10 @@ MIN_VERSION = "1.0"
 TORCH_FLOOR: tuple[tuple[str, str], ...] = (("1.5", "2.13"),)
 
 
-def torch_release(version: str = torch.__version__) -> Version:
-    """``"2.11.0+cu130"`` -> ``Version("2.11.0")``; nightlies (``2.13.0.dev2026...``) count as
-    their release."""
-    return Version(Version(version).base_version)
+def torch_release(version: str | None = None) -> Version:
+    """``"2.11.0+cu130"`` -> ``Version("2.11.0")`` (the installed torch's when None); nightlies
+    (``2.13.0.dev2026...``) count as their release."""
+    return Version(Version(torch.__version__ if version is None else version).base_version)
 
 
 def torch_compat_reason(

@@ -38,6 +38,7 @@ __all__ = [
     "Table",
     "load_table",
     "override",
+    "reload",
     "summary",
     "wins",
 ]
@@ -145,6 +146,13 @@ def current() -> Table:
             if _table is None:
                 _table = _from_env() or load_table()
     return _table
+
+
+def reload() -> None:
+    """Read the table again on next use (after changing the file or the environment)."""
+    global _table
+    with _lock:
+        _table = None
 
 
 def wins(baseline: Baseline, which: Pass, problem: Problem) -> bool:
