@@ -32,7 +32,10 @@ def _forward_kernel(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tens
     rstd = torch.empty([rows], dtype=torch.float32, device=x.device)
     for tile in hl.tile(rows):
         xf = x[tile, :].to(torch.float32)
-        inv = torch.rsqrt(torch.mean(xf * xf, dim=-1) + eps)
+        # sum / hidden, not mean: Helion 1.5.1 can divide a mean by the padded (power-of-two)
+        # row length (seen in the backward below). 1/sqrt, not rsqrt: Helion lowers rsqrt to
+        # libdevice, which Triton's interpreter (the CPU tests) lacks.
+        inv = 1.0 / torch.sqrt(torch.sum(xf * xf, dim=-1) / hidden + eps)
         y[tile, :] = (xf * inv[:, None] * weight[:].to(torch.float32)).to(y.dtype)
         rstd[tile] = inv
     return y, rstd
@@ -57,7 +60,7 @@ def _backward_kernel(
             xhat = x[tile, :].to(torch.float32) * rstd[tile][:, None]
             g = grad_out[tile, :].to(torch.float32)
             wg = g * weight[:].to(torch.float32)
-            proj = torch.mean(xhat * wg, dim=-1)
+            proj = torch.sum(xhat * wg, dim=-1) / hidden
             dx[tile, :] = ((wg - xhat * proj[:, None]) * rstd[tile][:, None]).to(dx.dtype)
             dw_sum = dw_sum + torch.sum(g * xhat, dim=0)
         dw_parts[block.id, :] = dw_sum
