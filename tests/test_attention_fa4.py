@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -365,3 +366,29 @@ def test_torch_compile_plans_with_the_meta_functions_and_runs_the_impls(fake_fa4
     for ours, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         assert rel_err(ours, want) < 2e-2
     assert fake_fa4.CALLS == {"fwd": 1, "bwd": 1}
+
+
+def test_the_benchmark_writes_rows_the_conds_read(tmp_path, monkeypatch):
+    # bench/attention_fa4.py turns timings into crossover rows; the committed table is its output.
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "attention_fa4.py"
+    spec = importlib.util.spec_from_file_location("attention_fa4_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    problems = bench.problems()
+    assert len(problems) == 40 and problems[0].causal and problems[0].head_dim == 128
+    fast, slow = problems[0], problems[1]
+    fast.ms = {"cudnn": {"fwd": 1.0, "fwd_bwd": 3.0}, "fa4": {"fwd": 0.8, "fwd_bwd": 2.9}}
+    slow.ms = {"flash": {"fwd": 1.0, "fwd_bwd": 3.0}, "fa4": {"fwd": 0.99, "fwd_bwd": 2.5}}
+    rows = bench.crossover_rows([fast, slow], "sm90")
+    out = tmp_path / "crossover.json"
+    out.write_text(json.dumps({"rows": rows}))
+    table = crossover.load_table(out)
+    p_fast = problem(heads_kv=8, seq_q=fast.seq, seq_k=fast.seq)
+    assert table.wins("cudnn", "forward", p_fast)  # 0.8 vs 1.0
+    assert not table.wins("cudnn", "backward", p_fast)  # 2.1 vs 2.0
+    p_slow = problem(heads_kv=8, seq_q=slow.seq, seq_k=slow.seq)
+    assert not table.wins("flash", "forward", p_slow)  # within the 2% margin
+    assert table.wins("flash", "backward", p_slow)  # 1.51 vs 2.0
