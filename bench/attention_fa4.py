@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -218,13 +217,30 @@ def main(argv: list[str] | None = None) -> int:
             f"B{p.batch} S{p.seq}: {p.ms} {p.notes} ({time.monotonic() - t0:.1f} s)",
             flush=True,
         )
+        # Written after every problem: a run cut short still leaves complete rows.
+        write(args, done, skipped, arch, start, argv)
+    write(args, done, skipped, arch, start, argv)
+    print(table(done))
+    print(f"{len(done)} problems measured, {skipped} skipped for the budget", flush=True)
+    return 0
+
+
+def write(
+    args: argparse.Namespace,
+    done: list[Problem],
+    skipped: int,
+    arch: str,
+    start: float,
+    argv: list[str] | None,
+) -> None:
+    """Write the results (and the crossover table) for the problems measured so far."""
     rows = crossover_rows(done, arch)
+    command = " ".join(["bench/attention_fa4.py", *(argv if argv is not None else sys.argv[1:])])
     report = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "command": command,
         "device": torch.cuda.get_device_name(),
         "arch": arch,
         "versions": versions(),
-        "python": platform.python_version(),
         "timing": "triton.testing.do_bench medians (torchgraft.bench.timing.measure)",
         "problems": [asdict(p) for p in done],
         "skipped_for_budget": skipped,
@@ -232,26 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - start, 1),
     }
     args.out.write_text(json.dumps(report, indent=1))
-    print(table(done))
     if args.write_crossover is not None:
-        args.write_crossover.write_text(
-            json.dumps(
-                {
-                    "description": (
-                        "Where FA4 beat the SDPA kernel it replaces (see crossover.py): "
-                        f"bench/attention_fa4.py, bf16, {TOKENS} tokens per batch, FA4 counted "
-                        f"as faster when at most {MARGIN} x the baseline's time."
-                    ),
-                    "command": report["command"],
-                    "device": report["device"],
-                    "versions": report["versions"],
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
-    print(f"{len(done)} problems measured, {skipped} skipped for the budget", flush=True)
-    return 0
+        table_data = {
+            "description": (
+                "Where FA4 beat the SDPA kernel it replaces (see crossover.py): "
+                f"bench/attention_fa4.py, bf16, {TOKENS} tokens per batch, FA4 counted as "
+                f"faster when at most {MARGIN} x the baseline's time."
+            ),
+            "command": command,
+            "device": report["device"],
+            "versions": report["versions"],
+            "rows": rows,
+        }
+        args.write_crossover.write_text(json.dumps(table_data, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
         [--rows 16384] [--effort quick] [--budget 300] [--out helion_configs.json]
 
 For each (kernel, dtype, hidden) it runs Helion's autotuner on a (rows, hidden) problem and
-records the best config, minimized to what differs from Helion's defaults. The table is
-printed and written to ``--out`` in the format of
-``python/torchgraft/ops/rms_norm/helion_configs.json`` (copy it there and commit). Problems
+records the best config, minimized to what differs from Helion's defaults. The committed
+table ``python/torchgraft/ops/rms_norm/helion_configs.json``, with the tuned entries replacing
+or joining its own, is printed and written to ``--out`` (copy it there and commit). Problems
 start in order until ``--budget`` seconds have passed; a tune takes roughly 40-90 s with
 ``--effort quick`` on an H100. Each tuned config is checked against the float64 reference
 before it is kept.
@@ -95,23 +95,38 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 print(f"{label}: {config} ({time.monotonic() - t0:.0f} s)", flush=True)
+                write(args, entries, argv)  # after every tune: a run cut short keeps them
+    print(write(args, entries, argv))
+    if skipped:
+        print(f"not tuned (budget): {', '.join(skipped)}", flush=True)
+    return 0
+
+
+def write(
+    args: argparse.Namespace, entries: list[dict[str, object]], argv: list[str] | None
+) -> str:
+    """Write the committed table with the configs tuned so far replacing or joining its
+    entries to ``--out``; returns its text."""
+    tuned = {(e["kernel"], e["dtypes"], e["hidden"]) for e in entries}
+    committed = json.loads(helion_configs.TABLE_PATH.read_text())["configs"]
+    kept = [e for e in committed if (e["kernel"], e["dtypes"], e["hidden"]) not in tuned]
+    merged = sorted(kept + entries, key=lambda e: (e["kernel"], e["dtypes"], e["hidden"]))
     table = {
         "description": (
             "Helion configs for the RMSNorm kernels (see helion_configs.py), tuned by "
             f"bench/helion_tune.py with autotune_effort={args.effort!r} at {args.rows} rows."
         ),
-        "command": " ".join(["bench/helion_tune.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            ["bench/helion_tune.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "device": torch.cuda.get_device_name(),
         "helion": versions()["helion"],
         "torch": torch.__version__,
-        "configs": entries,
+        "configs": merged,
     }
     text = json.dumps(table, indent=1)
     args.out.write_text(text + "\n")
-    print(text)
-    if skipped:
-        print(f"not tuned (budget): {', '.join(skipped)}", flush=True)
-    return 0
+    return text
 
 
 if __name__ == "__main__":
