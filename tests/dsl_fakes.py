@@ -24,7 +24,7 @@ FAKE_DISTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "apache-tvm-ffi": ("0.1.15", ("tvm_ffi",)),
     "flash-attn-4": ("4.0.0b36", ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface")),
     "quack-kernels": ("0.6.5", ("quack", "quack.rmsnorm")),
-    "helion": ("1.5.1", ("helion", "helion.language")),
+    "helion": ("1.4.0", ("helion", "helion.language")),  # fits every torch >= 2.11
 }
 
 
