@@ -392,3 +392,17 @@ def test_the_benchmark_writes_rows_the_conds_read(tmp_path, monkeypatch):
     p_slow = problem(heads_kv=8, seq_q=slow.seq, seq_k=slow.seq)
     assert not table.wins("flash", "forward", p_slow)  # within the 2% margin
     assert table.wins("flash", "backward", p_slow)  # 1.51 vs 2.0
+
+
+def test_a_call_fa4_refuses_goes_to_aten(fake_fa4, monkeypatch, caplog):
+    # FA4's own checks raise AssertionError; the impl passes the call on to ATen's kernel (here,
+    # on CPU, the dispatcher then reports that ATen has none).
+    def refuse(*args, **kwargs):
+        raise AssertionError("head_dim not supported")
+
+    monkeypatch.setattr(fake_fa4, "_flash_attn_fwd", refuse)
+    q, k, v = inputs()
+    with caplog.at_level(logging.WARNING), pytest.raises(NotImplementedError, match="CPU"):
+        impl.flash_attention_impl(q, k, v, 0.0, True)
+    assert "FA4 refused a forward its cond accepted" in caplog.text
+    assert not impl.FA4.failed  # one refusal is not a broken install

@@ -14,11 +14,14 @@ plans with the ops' meta functions) and a backward run by another kernel all kee
 * flash's ``debug_attn_mask`` an empty tensor, cuDNN's undefined.
 
 FA4 is imported on the first call. If that import fails the impl calls the op again, which
-reaches the kernel below (ATen's), and the conds decline from then on.
+reaches the kernel below (ATen's), and the conds decline from then on. If FA4 refuses a call
+the conds let through (its own checks raise AssertionError, ValueError or
+NotImplementedError), that call goes to ATen too, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -40,6 +43,10 @@ __all__ = [
 FA4 = LazyKernels("torchgraft.ops.attention.fa4_kernels")
 
 _aten = torch.ops.aten
+log = logging.getLogger("torchgraft.ops.attention")
+
+#: What FA4's interface raises for a problem it does not take (its argument checks).
+_REFUSALS = (AssertionError, ValueError, NotImplementedError)
 
 
 def _bshd(t: Tensor) -> Tensor:
@@ -56,6 +63,17 @@ def _laid_out_like(result: Tensor, like: Tensor) -> Tensor:
     return torch.empty_like(like).copy_(result)
 
 
+def _refused(which: str, query: Tensor, key: Tensor, error: Exception) -> None:
+    log.warning(
+        "FA4 refused a %s its cond accepted (query %s, key %s, %s): %s; ATen runs it",
+        which,
+        tuple(query.shape),
+        tuple(key.shape),
+        query.dtype,
+        error,
+    )
+
+
 def _forward(
     query: Tensor, key: Tensor, value: Tensor, scale: float | None, is_causal: bool
 ) -> tuple[Tensor, Tensor] | None:
@@ -64,8 +82,14 @@ def _forward(
     if kernels is None:
         return None
     out = torch.empty_like(query)
-    with on_device_of(query):
-        lse = kernels.forward(_bshd(query), _bshd(key), _bshd(value), _bshd(out), scale, is_causal)
+    try:
+        with on_device_of(query):
+            lse = kernels.forward(
+                _bshd(query), _bshd(key), _bshd(value), _bshd(out), scale, is_causal
+            )
+    except _REFUSALS as error:
+        _refused("forward", query, key, error)
+        return None
     return out, lse
 
 
@@ -83,17 +107,21 @@ def _backward(
     kernels = FA4.get()
     if kernels is None:
         return None
-    with on_device_of(query):
-        dq, dk, dv = kernels.backward(
-            _bshd(grad_out),
-            _bshd(query),
-            _bshd(key),
-            _bshd(value),
-            _bshd(out),
-            lse,
-            scale,
-            is_causal,
-        )
+    try:
+        with on_device_of(query):
+            dq, dk, dv = kernels.backward(
+                _bshd(grad_out),
+                _bshd(query),
+                _bshd(key),
+                _bshd(value),
+                _bshd(out),
+                lse,
+                scale,
+                is_causal,
+            )
+    except _REFUSALS as error:
+        _refused("backward", query, key, error)
+        return None
     return (
         _laid_out_like(_bshd(dq), query),
         _laid_out_like(_bshd(dk), key),
