@@ -215,6 +215,7 @@ def test_default_enable_takes_fa4_but_not_the_opt_in_rms_norm_routes(fake_root):
 def test_missing_libraries_register_nothing_and_say_why(caplog):
     if cutedsl.library_unusable_reason("flash-attn-4") is None:
         pytest.skip("flash-attn-4 is installed here")
+    torchgraft.disable()
     with caplog.at_level(logging.INFO):
         torchgraft.enable(routes=["cutedsl"])
     try:
