@@ -37,6 +37,10 @@ def register(route: str = "cutedsl") -> None:
     """Installs the conditional FA4 overrides of the four SDPA ops at CUDA. Idempotent."""
     if route not in ROUTES:
         raise ValueError(f"unknown attention route {route!r}; known: {', '.join(ROUTES)}")
+    from torchgraft import registry
+
+    live = {o.node_id for o in registry.list_overrides()}
+    _registered[:] = [info for info in _registered if info.node_id in live]  # after clear_overrides
     if _registered:
         return
     from torchgraft.dsl import cutedsl

@@ -68,7 +68,10 @@ def register(route: str = "triton") -> None:
     """
     if route not in ROUTES:
         raise ValueError(f"unknown RMSNorm route {route!r}; known: {', '.join(ROUTES)}")
-    if _registered.get(route):
+    from torchgraft import registry
+
+    live = {o.node_id for o in registry.list_overrides()}
+    if [info for info in _registered.get(route, []) if info.node_id in live]:
         return
     reason = _unusable_reason(route)
     if reason is not None:
