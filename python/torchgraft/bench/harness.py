@@ -185,6 +185,9 @@ def versions() -> dict[str, str | None]:
         "torchgraft": torchgraft_version(),
         "liger_kernel": _package_version("liger-kernel") or _package_version("liger_kernel"),
         "nvidia_cutlass_dsl": _package_version("nvidia-cutlass-dsl"),
+        "flash_attn_4": _package_version("flash-attn-4"),
+        "quack_kernels": _package_version("quack-kernels"),
+        "helion": _package_version("helion"),
         "platform": platform.platform(),
     }
 
