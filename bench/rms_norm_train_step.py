@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from torchgraft.bench import harness
-from torchgraft.bench.timing import alternating_rounds
 from torchgraft.bench.counters import fired, graft_counters
 from torchgraft.bench.rms_norm import (
     TOLERANCE,
@@ -39,6 +38,7 @@ from torchgraft.bench.rms_norm import (
     run_once,
     timed_call,
 )
+from torchgraft.bench.timing import alternating_rounds
 
 ROUTES = ("aten", "compile", "torchgraft-native", "torchgraft-triton")
 SHAPES = ("1024x1024", "1024x2048", "4096x2048", "1024x4096", "4096x4096", "16384x4096",

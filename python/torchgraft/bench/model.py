@@ -132,9 +132,7 @@ class ModelReport:
     def failed(self) -> list[str]:
         """Why the run is not a clean pass: variant errors and failed checks."""
         problems = [f"{v.name}: {v.error}" for v in self.variants if v.error]
-        problems += [
-            f"{v.name}: {problem}" for v in self.variants for problem in v.state_problems
-        ]
+        problems += [f"{v.name}: {problem}" for v in self.variants for problem in v.state_problems]
         problems += [f"check {name} failed" for name, ok in self.checks.items() if ok is False]
         return problems
 
@@ -146,6 +144,11 @@ class ModelReport:
 # ---- one variant's model, optimizer and steps ---------------------------------------------------
 
 
+def _model_signature(model: torch.nn.Module) -> list[tuple[str, type, Any]]:
+    """Each module's name, class and instance-level ``forward`` (what adoption swaps)."""
+    return [(name, type(m), vars(m).get("forward")) for name, m in model.named_modules()]
+
+
 @dataclass
 class _Live:
     variant: Variant
@@ -153,6 +156,8 @@ class _Live:
     optimizer: torch.optim.Optimizer
     prepared: Prepared
     result: VariantResult
+    built: list[tuple[str, type, Any]]
+    """The model's :func:`_model_signature` before the variant was applied."""
 
     def move(self, device: torch.device) -> None:
         """Moves parameters (in place: the optimizer keeps them) and optimizer state."""
@@ -190,7 +195,7 @@ class _Steps:
         return loss.detach()
 
 
-# ---- process state that must not leak ---------------------------------------------------------
+# ---- process state that must not leak -----------------------------------------------------------
 
 
 def _dispatcher_state() -> tuple[Any, ...]:
@@ -198,9 +203,8 @@ def _dispatcher_state() -> tuple[Any, ...]:
     grafts = tuple((g.op, g.dispatch_key, g.active) for g in native.grafts())
     registry = registry_module()
     list_overrides = getattr(registry, "list_overrides", None)
-    overrides = tuple(
-        (o.dsl, o.op, o.dispatch_key, o.active) for o in (list_overrides() if list_overrides else [])
-    )
+    listed = list_overrides() if list_overrides is not None else []
+    overrides = tuple((o.dsl, o.op, o.dispatch_key, o.active) for o in listed)
     return (torchgraft.is_enabled(), grafts, overrides)
 
 
@@ -273,10 +277,14 @@ class _Run:
                 yield
         finally:
             self._park(live)
-            assert self.baseline is not None
-            for problem in self.baseline.problems():
-                if problem not in live.result.state_problems:
-                    live.result.state_problems.append(problem)
+            self._check(live.result)
+
+    def _check(self, result: VariantResult) -> None:
+        """Notes what this variant left changed in the process (once per problem)."""
+        assert self.baseline is not None
+        for problem in self.baseline.problems():
+            if problem not in result.state_problems:
+                result.state_problems.append(problem)
 
     def _fail(self, live: _Live, error: BaseException) -> None:
         live.result.error = _one_line(error)
@@ -288,6 +296,10 @@ class _Run:
             live.prepared.undo()
         except Exception as error:
             live.result.state_problems.append(f"undo failed: {_one_line(error)}")
+        else:
+            restored = _model_signature(live.model) == live.built
+            if live.prepared.undo_restores_model and not restored:
+                live.result.state_problems.append("the model's modules were not restored")
         live.optimizer.state.clear()
         del live.model, live.optimizer, live.prepared
         gc.collect()
@@ -320,11 +332,12 @@ class _Run:
             self.baseline = _Baseline(model)
             self.parameters = sum(p.numel() for p in model.parameters())
         optimizer, self.optimizer_name = _optimizer(model, config.lr)
+        built = _model_signature(model)
         prepared = variant.prepare(model, self.setting)
         result.notes = dict(prepared.notes)
-        live = _Live(variant, model, optimizer, prepared, result)
+        live = _Live(variant, model, optimizer, prepared, result, built)
         self.live[variant.name] = live
-        result.state_problems.extend(self.baseline.problems())  # after applying it
+        self._check(result)  # applying it must not change the process
         step = _Steps(live, self.batches)
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -400,11 +413,10 @@ class _Run:
         compiled = any(v.name.startswith("compile") for v in self.chosen)
         for live in list(self.live.values()):
             self._drop(live)
-            assert self.baseline is not None
-            for problem in self.baseline.problems():
-                if problem not in live.result.state_problems:
-                    live.result.state_problems.append(problem)
+            self._check(live.result)
         if compiled:  # compiled code holds the models' graphs: let them go
+            import torch._dynamo
+
             torch._dynamo.reset()
 
 
@@ -424,9 +436,7 @@ def select_variants(
     if names is not None:
         unknown = [n for n in names if n not in VARIANTS]
         if unknown:
-            raise ModelBenchError(
-                f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}"
-            )
+            raise ModelBenchError(f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")
         for name in names:
             reason = VARIANTS[name].unavailable(setting)
             if reason is not None:
@@ -466,9 +476,7 @@ def _compare(results: list[VariantResult]) -> dict[str, Any]:
             if not variants[r.name].grafts
         ),
         "state_restored_after_every_variant": all(not r.state_problems for r in results),
-        "losses_finite": all(
-            all(x == x and abs(x) != float("inf") for x in r.losses) for r in ran
-        ),
+        "losses_finite": all(all(x == x and abs(x) != float("inf") for x in r.losses) for r in ran),
         "no_recompiles_while_timed": all(not r.graphs_compiled_while_timed for r in ran),
     }
     again = next((r for r in ran if r.name == "stock-again"), None)
@@ -478,17 +486,13 @@ def _compare(results: list[VariantResult]) -> dict[str, Any]:
     return checks
 
 
-def run(
-    config: ModelBenchConfig, *, progress: bool = False, command: str = ""
-) -> ModelReport:
+def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") -> ModelReport:
     """Runs the model benchmark (see the module docstring) and returns its report.
 
     torchgraft's enabled state is the same afterwards as before.
     """
     if config.size not in model_zoo.SIZES:
-        raise ModelBenchError(
-            f"unknown size {config.size!r}; known: {', '.join(model_zoo.SIZES)}"
-        )
+        raise ModelBenchError(f"unknown size {config.size!r}; known: {', '.join(model_zoo.SIZES)}")
     if config.family not in model_zoo.FAMILIES:
         raise ModelBenchError(
             f"unknown family {config.family!r}; known: {', '.join(model_zoo.FAMILIES)}"
@@ -496,9 +500,13 @@ def run(
     missing = model_zoo.transformers_missing()
     if missing is not None:
         raise ModelBenchError(missing)
-    for name, value in (("rounds", config.rounds), ("steps", config.steps), ("loss_steps", config.loss_steps)):
+    for option, value in (
+        ("--rounds", config.rounds),
+        ("--steps", config.steps),
+        ("--loss-steps", config.loss_steps),
+    ):
         if value < 1:
-            raise ModelBenchError(f"--{name.replace('_', '-')} must be at least 1")
+            raise ModelBenchError(f"{option} must be at least 1")
     setting = Setting(config.device, config.family, config.compile_backend)
     chosen, skipped = select_variants(config.variants, setting)
     size = model_zoo.SIZES[config.size]
@@ -534,7 +542,7 @@ def run(
         timing=(
             f"median over {config.rounds} alternating rounds of {config.steps} steps back to "
             f"back ({config.warmup} untimed steps first), "
-            + ("one CUDA synchronisation per round" if config.device.type == "cuda" else "host time")
+            + ("synchronised once per round" if config.device.type == "cuda" else "host time")
         ),
         versions=versions(),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

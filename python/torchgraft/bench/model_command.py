@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stock always runs)",
     )
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--dtype", help="bf16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)")
     parser.add_argument("--rounds", type=int, help="alternating timing rounds (default by size)")
     parser.add_argument("--steps", type=int, help="timed steps per round (default by size)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per round (2)")
@@ -87,6 +87,8 @@ def main(argv: Sequence[str]) -> int:
     device = parse_device(args.device)
     size = args.size or ("small" if device.type == "cuda" else "tiny")
     dtype = parse_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise CliError(f"the model benchmark trains in bf16 or fp32, not {args.dtype}")
     rounds, steps = _DEFAULT_ROUNDS_STEPS[size]
     if args.threads is not None:
         if args.threads < 1:

@@ -99,15 +99,13 @@ def _clock(report: ModelReport) -> str:
 
 def _text_table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
-    for row in rows:
-        lines.append(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            ).rstrip()
-        )
-    return lines
+    return [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [header, *rows]
+    ]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -137,22 +135,19 @@ def _notes(report: ModelReport) -> list[str]:
         if not skip["reason"].startswith("not selected"):
             lines.append(f"{skip['name']}: not run: {skip['reason']}")
     failed = [name for name, ok in report.checks.items() if ok is False]
-    lines.append(
-        "checks: " + ("all passed" if not failed else "FAILED: " + ", ".join(failed))
-        + (
-            f"; stock-again vs stock max |dloss| {report.checks['stock_again_max_abs_loss_diff']:.2e}"
-            if report.checks.get("stock_again_max_abs_loss_diff") is not None
-            else ""
-        )
-    )
+    line = "checks: " + ("all passed" if not failed else "FAILED: " + ", ".join(failed))
+    noise = report.checks.get("stock_again_max_abs_loss_diff")
+    if noise is not None:
+        line += f"; stock-again vs stock max |dloss| {noise:.2e}"
+    lines.append(line)
     return lines
 
 
 _LEGEND = (
-    "ms/step: median over {rounds} alternating rounds of {steps} steps; vs stock: stock's time over "
-    "the variant's; peak GiB: torch.cuda.max_memory_allocated over the loss steps (not measured "
-    "on the CPU); max |dloss|: largest difference to stock's loss over {loss_steps} steps from "
-    "the same seed; grafts/step: torchgraft graft calls in one step."
+    "ms/step: median over {rounds} alternating rounds of {steps} steps; vs stock: stock's "
+    "time over the variant's; peak GiB: torch.cuda.max_memory_allocated over the loss steps "
+    "(not measured on the CPU); max |dloss|: largest difference to stock's loss over "
+    "{loss_steps} steps from the same seed; grafts/step: torchgraft graft calls in one step."
 )
 
 
@@ -188,7 +183,8 @@ def format_markdown(report: ModelReport) -> str:
     if grafted:
         out += ["**Grafts that ran in one step (calls)**", ""]
         for r in grafted:
-            calls = ", ".join(f"`{k}` {v.get('calls', 0)}" for k, v in sorted(r.grafts_per_step.items()))  # type: ignore[union-attr]
+            per_step = sorted((r.grafts_per_step or {}).items())
+            calls = ", ".join(f"`{k}` {v.get('calls', 0)}" for k, v in per_step)
             out.append(f"- {r.name}: {calls}")
         out.append("")
     out += [f"- {line}" for line in _notes(report)]
@@ -213,8 +209,8 @@ def plot_model(report: ModelReport, path: Path) -> None:
     bars = ax.bar(names, ms, color=[colors[n] for n in names])
     for bar, r in zip(bars, ran, strict=True):
         if r.speedup_vs_stock is not None:
-            ax.annotate(f"{r.speedup_vs_stock:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)  # fmt: skip
+            top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+            ax.annotate(f"{r.speedup_vs_stock:.2f}x", top, ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("ms per training step (median)")
     ax.set_title("step time (lower is better; label: speedup vs stock)")
     ax = axes[0][1]
@@ -277,7 +273,8 @@ def write_model_results(report: ModelReport, out_dir: Path, *, plot: bool = True
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
     json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n", encoding="utf-8")
+    text = json.dumps(report.to_json(), indent=1, default=str)
+    json_path.write_text(text + "\n", encoding="utf-8")
     markdown = out_dir / f"{stem}.md"
     markdown.write_text(format_markdown(report), encoding="utf-8")
     if not plot:

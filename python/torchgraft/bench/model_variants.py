@@ -29,7 +29,7 @@ import torchgraft
 from . import patches
 from .routes import module_available
 
-__all__ = ["VARIANTS", "Prepared", "Setting", "Variant", "WATCHED_MODULES", "watched_namespaces"]
+__all__ = ["VARIANTS", "WATCHED_MODULES", "Prepared", "Setting", "Variant", "watched_namespaces"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class Prepared:
     """The process-wide state the variant's steps run under (entered around each phase)."""
     undo: Callable[[], None] = lambda: None
     """Removes what the variant changed on the model (called once, at the end)."""
+    undo_restores_model: bool = True
+    """Whether the model's modules are as built once ``undo`` ran (checked when True)."""
     notes: dict[str, Any] = field(default_factory=dict)
     """What was applied, for the report (JSON-ready)."""
 
@@ -105,14 +107,14 @@ def _always(_setting: Setting) -> str | None:
     return None
 
 
-# ---- stock ----------------------------------------------------------------------------------------
+# ---- stock --------------------------------------------------------------------------------------
 
 
 def _prepare_stock(model: torch.nn.Module, _setting: Setting) -> Prepared:
     return Prepared(call=model, active=_torchgraft_off)
 
 
-# ---- torchgraft -----------------------------------------------------------------------------------
+# ---- torchgraft ---------------------------------------------------------------------------------
 
 
 def _report_json(report: object) -> Any:
@@ -143,7 +145,7 @@ def _prepare_torchgraft(model: torch.nn.Module, _setting: Setting) -> Prepared:
     return Prepared(call=model, active=_torchgraft_on, undo=undo, notes=notes)
 
 
-# ---- torch.compile --------------------------------------------------------------------------------
+# ---- torch.compile ------------------------------------------------------------------------------
 
 
 def _compile(model: torch.nn.Module, setting: Setting) -> tuple[Callable[..., Any], dict[str, Any]]:
@@ -162,7 +164,7 @@ def _prepare_compile_torchgraft(model: torch.nn.Module, setting: Setting) -> Pre
     return Prepared(call=call, active=_torchgraft_on, undo=undo, notes=notes | compile_notes)
 
 
-# ---- Liger-Kernel ---------------------------------------------------------------------------------
+# ---- Liger-Kernel -------------------------------------------------------------------------------
 
 
 def _liger_unavailable(setting: Setting) -> str | None:
@@ -187,9 +189,7 @@ def _liger(fused_linear_cross_entropy: bool) -> Callable[[torch.nn.Module, Setti
             "fused_linear_cross_entropy": fused_linear_cross_entropy,
             "cross_entropy": not fused_linear_cross_entropy,
         }
-        recorded = patches.record(
-            watched_namespaces(model), lambda: apply(model=model, **options)
-        )
+        recorded = patches.record(watched_namespaces(model), lambda: apply(model=model, **options))
 
         @contextlib.contextmanager
         def active() -> Iterator[None]:
@@ -197,11 +197,13 @@ def _liger(fused_linear_cross_entropy: bool) -> Callable[[torch.nn.Module, Setti
             with patches.applied(recorded):
                 yield
 
+        arguments = ", ".join(f"{k}={v}" for k, v in options.items())
         notes = {
-            "liger_function": f"{function}(model=model, {', '.join(f'{k}={v}' for k, v in options.items())})",
+            "liger_function": f"{function}(model=model, {arguments})",
             "global_patches": [patches.where(p) for p in recorded],
         }
-        return Prepared(call=model, active=active, notes=notes)
+        # Liger has no undo for the instance; the model is the variant's own and is dropped.
+        return Prepared(call=model, active=active, notes=notes, undo_restores_model=False)
 
     return prepare
 

@@ -13,8 +13,8 @@ the median over rounds, so that drift of the machine hits all contenders alike.
 
 from __future__ import annotations
 
-import importlib.util
 import contextlib
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable, Mapping
