@@ -271,20 +271,26 @@ class _Run:
     @contextlib.contextmanager
     def _turn(self, live: _Live) -> Iterator[None]:
         """The variant on the device and in its process state; checked and parked after."""
-        self._unpark(live)
-        try:
-            with live.prepared.active():
-                yield
-        finally:
-            self._park(live)
-            self._check(live.result)
+        with self._checked(live.result):
+            self._unpark(live)
+            try:
+                with live.prepared.active():
+                    yield
+            finally:
+                self._park(live)
 
-    def _check(self, result: VariantResult) -> None:
-        """Notes what this variant left changed in the process (once per problem)."""
+    @contextlib.contextmanager
+    def _checked(self, result: VariantResult) -> Iterator[None]:
+        """Notes on ``result`` what the block left changed in the process that was not changed
+        before it (so a leak is charged to the variant that made it, once)."""
         assert self.baseline is not None
-        for problem in self.baseline.problems():
-            if problem not in result.state_problems:
-                result.state_problems.append(problem)
+        before = set(self.baseline.problems())
+        try:
+            yield
+        finally:
+            for problem in self.baseline.problems():
+                if problem not in before and problem not in result.state_problems:
+                    result.state_problems.append(problem)
 
     def _fail(self, live: _Live, error: BaseException) -> None:
         live.result.error = _one_line(error)
@@ -302,8 +308,12 @@ class _Run:
                 live.result.state_problems.append("the model's modules were not restored")
         live.optimizer.state.clear()
         del live.model, live.optimizer, live.prepared
-        gc.collect()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Frees the device memory of dropped variants (CUDA; the CPU has no cache to free)."""
         if self.on_cuda:
+            gc.collect()
             torch.cuda.empty_cache()
 
     # -- phase 1: build, apply, loss steps --
@@ -320,9 +330,7 @@ class _Run:
                 live = self.live.get(variant.name)
                 if live is not None:
                     self._drop(live)
-                gc.collect()
-                if self.on_cuda:
-                    torch.cuda.empty_cache()
+                self._release_memory()
             self.bar.advance(variant.name)
 
     def _losses(self, variant: Variant, result: VariantResult) -> None:
@@ -333,11 +341,11 @@ class _Run:
             self.parameters = sum(p.numel() for p in model.parameters())
         optimizer, self.optimizer_name = _optimizer(model, config.lr)
         built = _model_signature(model)
-        prepared = variant.prepare(model, self.setting)
+        with self._checked(result):  # applying it must not change the process
+            prepared = variant.prepare(model, self.setting)
         result.notes = dict(prepared.notes)
         live = _Live(variant, model, optimizer, prepared, result, built)
         self.live[variant.name] = live
-        self._check(result)  # applying it must not change the process
         step = _Steps(live, self.batches)
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -412,8 +420,8 @@ class _Run:
     def teardown(self) -> None:
         compiled = any(v.name.startswith("compile") for v in self.chosen)
         for live in list(self.live.values()):
-            self._drop(live)
-            self._check(live.result)
+            with self._checked(live.result):
+                self._drop(live)
         if compiled:  # compiled code holds the models' graphs: let them go
             import torch._dynamo
 

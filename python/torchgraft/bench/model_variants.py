@@ -84,9 +84,12 @@ family's modeling module is watched too."""
 
 def watched_namespaces(model: torch.nn.Module) -> list[Any]:
     """The modules and classes the benchmark checks are left as they were (see
-    :data:`WATCHED_MODULES`), including ``model``'s modeling module and its base classes."""
+    :data:`WATCHED_MODULES`), including ``model``'s modeling module and transformers' classes
+    it derives from."""
     targets = patches.namespaces_for([*WATCHED_MODULES, type(model).__module__])
-    targets.extend(c for c in type(model).__mro__ if c is not object)
+    # transformers' own base classes; not torch.nn.Module, which dynamo instruments once
+    # (its mutation tracking) on first use: that is torch.compile's, not a variant's leak.
+    targets.extend(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
     return targets
 
 
