@@ -14,11 +14,14 @@ kernel for the device), gradients set to None. The run, in one process:
    over rounds, so that drift of the machine hits every variant alike.
 3. **Profile**: one more step counted (graft calls per step) and one profiled (self time by op).
 
-On CUDA a variant's model and optimizer state move to host memory while other variants run, so
-each runs with the device to itself. Every variant's process-wide state (torchgraft on or off,
-Liger's global patches) is entered around its own steps only; after each phase the watched
-module namespaces, torchgraft's state and the graft counters of stock variants are checked
-(``checks`` in the report).
+On CUDA a variant's model and optimizer state move to host memory while the other variants run
+their loss steps, so each peak is its own; in the timing rounds idle variants stay on the device
+when all of them fit (their state plus the largest step's working memory in 90% of it), else
+they move off and back around every turn (outside the timed steps).
+
+Every variant's process-wide state (torchgraft on or off, Liger's global patches) is entered
+around its own steps only; after each phase the watched module namespaces, torchgraft's state
+and the graft counters of stock variants are checked (``checks`` in the report).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class VariantResult:
     tokens_per_s: float | None = None
     speedup_vs_stock: float | None = None
     peak_gib: float | None = None
+    resident_gib: float | None = None
+    """Device memory the variant holds between steps (model and optimizer state; CUDA)."""
     losses: list[float] = field(default_factory=list)
     max_abs_loss_diff_vs_stock: float | None = None
     grafts_during_losses: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -123,6 +128,9 @@ class ModelReport:
     variants: list[VariantResult] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)
+    idle_variants: str = ""
+    """Where variants waited while another one ran (CUDA: on the device when all fit, else
+    in host memory; peak memory is always measured with the variant alone on the device)."""
     benchmark: str = "model"
 
     def result(self, name: str) -> VariantResult | None:
@@ -256,13 +264,28 @@ class _Run:
         self.optimizer_name = ""
         self.parameters = 0
         self.baseline: _Baseline | None = None
+        self.keep_resident = False
+        """Idle variants stay on the device (CUDA, once the loss steps showed they all fit)."""
 
     # -- helpers --
 
     def _park(self, live: _Live) -> None:
-        if self.on_cuda:
+        if self.on_cuda and not self.keep_resident:
             live.move(torch.device("cpu"))
             torch.cuda.empty_cache()
+
+    def _everyone_fits(self) -> bool:
+        """Whether every variant's model and optimizer state, plus the largest step's
+        working memory, fit in 90% of the device, so idle variants can stay on it."""
+        if not self.on_cuda or not self.live:
+            return False
+        results = [live.result for live in self.live.values()]
+        if any(r.resident_gib is None or r.peak_gib is None for r in results):
+            return False
+        resident = sum(r.resident_gib or 0.0 for r in results)
+        working = max((r.peak_gib or 0.0) - (r.resident_gib or 0.0) for r in results)
+        total = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        return resident + working <= 0.9 * total
 
     def _unpark(self, live: _Live) -> None:
         if self.on_cuda:
@@ -357,12 +380,18 @@ class _Run:
             result.grafts_during_losses = fired(before, graft_counters())
             if self.on_cuda:
                 result.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+                # No gradients or activations are left: the model and the optimizer's state.
+                result.resident_gib = torch.cuda.memory_allocated(self.device) / 2**30
         if graphs != _dynamo_graphs():
             result.notes["graphs_compiled_in_loss_steps"] = _dynamo_graphs() - graphs
 
     # -- phase 2: alternating rounds --
 
     def time(self) -> None:
+        self.keep_resident = self._everyone_fits()
+        if self.keep_resident:  # once, instead of a round trip per turn
+            for live in self.live.values():
+                self._unpark(live)
         steps = {name: _Steps(live, self.batches) for name, live in self.live.items()}
         graphs = {name: 0 for name in steps}
 
@@ -559,4 +588,10 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
         skipped=skipped,
     )
     report.checks = _compare(state.results)
+    if config.device.type != "cuda":
+        report.idle_variants = "in memory (CPU)"
+    elif state.keep_resident:
+        report.idle_variants = "on the device (all fit) while timed; in host memory before"
+    else:
+        report.idle_variants = "in host memory (moved off the device between turns)"
     return report

@@ -17,9 +17,6 @@ from torchgraft.cli import PROG, CliError, _Parser, parse_device, parse_dtype
 
 __all__ = ["build_parser", "main"]
 
-# Rounds and steps per size when not given: what fits the H100 runs in docs/cli.md.
-_DEFAULT_ROUNDS_STEPS = {"tiny": (3, 3), "small": (5, 10), "1b": (5, 5)}
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``torchgraft bench model``."""
@@ -82,14 +79,14 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     import torch
 
-    from . import model, model_output
+    from . import model, model_output, model_zoo
 
     device = parse_device(args.device)
     size = args.size or ("small" if device.type == "cuda" else "tiny")
     dtype = parse_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in (torch.bfloat16, torch.float32):
         raise CliError(f"the model benchmark trains in bf16 or fp32, not {args.dtype}")
-    rounds, steps = _DEFAULT_ROUNDS_STEPS[size]
+    defaults = model_zoo.SIZES[size]
     if args.threads is not None:
         if args.threads < 1:
             raise CliError("--threads must be at least 1")
@@ -102,8 +99,8 @@ def main(argv: Sequence[str]) -> int:
         device=device,
         dtype=dtype,
         variants=_variants(args.variants),
-        rounds=args.rounds if args.rounds is not None else rounds,
-        steps=args.steps if args.steps is not None else steps,
+        rounds=args.rounds if args.rounds is not None else defaults.rounds,
+        steps=args.steps if args.steps is not None else defaults.steps,
         warmup=args.warmup,
         loss_steps=args.loss_steps,
         seed=args.seed,

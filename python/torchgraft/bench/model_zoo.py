@@ -46,6 +46,10 @@ class Size:
     """Input embedding and LM head share one weight."""
     batch: int
     seq: int
+    rounds: int
+    """Default timing rounds (``--rounds``)."""
+    steps: int
+    """Default timed steps per round (``--steps``)."""
     summary: str
 
     @property
@@ -61,9 +65,10 @@ class Size:
 SIZES: dict[str, Size] = {
     s.name: s
     for s in (
-        Size("tiny", 64, 2, 4, 2, 176, 256, False, 2, 32, "CPU smoke test (CI): seconds"),
-        Size("small", 2048, 8, 16, 8, 5632, 32000, False, 4, 2048, "Llama-style, 0.5B parameters"),
-        Size("1b", 2048, 16, 32, 8, 8192, 128256, True, 2, 4096, "the Llama-3.2-1B shape"),
+        # name, hidden, layers, heads, kv heads, MLP, vocab, tied, batch, seq, rounds, steps
+        Size("tiny", 64, 2, 4, 2, 176, 256, False, 2, 32, 3, 3, "CPU smoke test (CI): seconds"),
+        Size("small", 2048, 8, 16, 8, 5632, 32000, False, 4, 2048, 5, 10, "0.5B parameters"),
+        Size("1b", 2048, 16, 32, 8, 8192, 128256, True, 2, 4096, 5, 10, "the Llama-3.2-1B shape"),
     )
 }
 """Sizes by name (``--size``)."""
@@ -84,7 +89,12 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama", "LlamaConfig", "LlamaForCausalLM: RMSNorm, SwiGLU, RoPE, GQA"),
         Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM: Llama plus RMSNorm on q and k"),
-        Family("mistral", "MistralConfig", "MistralForCausalLM: Llama with a sliding window"),
+        Family(
+            "mistral",
+            "MistralConfig",
+            "MistralForCausalLM: Llama with sliding-window attention (window 4096: at these "
+            "sizes, the whole sequence)",
+        ),
         Family("gemma", "GemmaConfig", "GemmaForCausalLM: GeGLU, (1 + weight) RMSNorm"),
     )
 }

@@ -72,7 +72,13 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int =
     ops = [e for e in events if e.device_type == DeviceType.CPU]
     if on_cuda:
         times = {e.key: (_self_device_us(e), e.count) for e in ops}
-        kernels = sum(_self_device_us(e) for e in events if e.device_type == DeviceType.CUDA)
+        # Device-side events are kernels, copies and memsets, plus each profiler range's span
+        # on the GPU timeline (named like the range): count the former only.
+        kernels = sum(
+            _self_device_us(e)
+            for e in events
+            if e.device_type == DeviceType.CUDA and e.key not in times
+        )
         attributed = sum(t for t, _ in times.values())
         total, unattributed = kernels, max(0.0, kernels - attributed)
         clock = "self device time"
