@@ -447,7 +447,7 @@ class _Run:
             self.bar.advance(f"profiled {name}")
 
     def teardown(self) -> None:
-        compiled = any(v.name.startswith("compile") for v in self.chosen)
+        compiled = any("compile_backend" in r.notes for r in self.results)
         for live in list(self.live.values()):
             with self._checked(live.result):
                 self._drop(live)
