@@ -97,6 +97,7 @@ def test_tiny_run_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert data["optimizer"].startswith("AdamW(")
     assert data["versions"]["torch"] == torch.__version__ and data["versions"]["transformers"]
     assert data["command"].startswith("torchgraft bench model ")
+    assert data["idle_variants"] == "in memory (CPU)" and data["parameters"] > 0
     # stock runs although not named; the variants not asked for are listed with the reason.
     assert [v["name"] for v in data["variants"]] == names
     skipped = {s["name"]: s["reason"] for s in data["skipped"]}
@@ -110,7 +111,7 @@ def test_tiny_run_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert v["ms_per_step"] == statistics.median(v["round_ms"])
         assert math.isclose(v["tokens_per_s"], TINY.tokens / (v["ms_per_step"] / 1e3))
         assert math.isclose(v["speedup_vs_stock"], stock["ms_per_step"] / v["ms_per_step"])
-        assert v["peak_gib"] is None  # not measured on the CPU
+        assert v["peak_gib"] is None and v["resident_gib"] is None  # not measured on the CPU
         assert len(v["losses"]) == 50 and all(math.isfinite(x) for x in v["losses"])
         diffs = [abs(a - b) for a, b in zip(v["losses"], stock["losses"], strict=True)]
         assert v["max_abs_loss_diff_vs_stock"] == max(diffs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,16 @@ def _liger_unavailable(setting: Setting) -> str | None:
         return "Liger-Kernel's Triton kernels run on CUDA GPUs"
     if not module_available("triton"):
         return "triton is not installed (Liger-Kernel's kernels are Triton)"
+    return _liger_import_error()
+
+
+@functools.cache
+def _liger_import_error() -> str | None:
+    """Why Liger's transformers integration cannot be imported here, or None (imports it)."""
+    try:
+        import liger_kernel.transformers.monkey_patch  # noqa: F401
+    except Exception as error:  # any import failure means: not usable here, and why
+        return f"liger_kernel cannot be imported: {type(error).__name__}: {error}"
     return None
 
 
