@@ -156,6 +156,8 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from torchgraft.bench import harness, results, table
 
     op = harness.OPS.get(args.op)
+    if args.op == "model":
+        raise CliError("put the options after 'model': torchgraft bench model [options]")
     if op is None:
         raise CliError(f"unknown op {args.op!r}; known: {', '.join(harness.OPS)}")
     device = parse_device(args.device)
@@ -674,7 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=5, help="timing rounds (default 5)")
 
     bench = sub.add_parser("bench", help="every route of an op side by side: table, JSON, plot")
-    bench.add_argument("op", help="op to benchmark (rms_norm)")
+    bench.add_argument(
+        "op", help="op to benchmark (rms_norm), or model (see 'torchgraft bench model --help')"
+    )
     bench.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     bench.add_argument(
         "--dtype", help="bf16, fp16, fp32 or fp64 (default: bf16 on CUDA, fp32 on CPU)"
@@ -706,6 +710,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
+        if args_list[:2] == ["bench", "model"]:  # its own options: torchgraft/bench/model_command
+            from torchgraft.bench import model_command
+
+            return model_command.main(args_list[2:])
         args = parser.parse_args(args_list)
         if args.version:
             from torchgraft.bench.harness import torchgraft_version
