@@ -136,13 +136,14 @@ def stats() -> dict[str, dict[str, int]]:
     """Per-graft counters: ``{"native/aten::_fused_rms_norm/CPU": {"calls": 3, "fallbacks": 0}}``.
 
     Native grafts: ``calls`` counts calls that reached the kernel, ``fallbacks`` those it computed
-    by a slower general path. Python-route overrides (keys ``"<dsl>/<op>/<key>"``): ``calls``
+    by a slower general path. torchgraft's own operators' kernels (``native/torchgraft::swiglu/CPU``)
+    count the same way. Python-route overrides (keys ``"<dsl>/<op>/<key>"``): ``calls``
     counts impl runs, ``fallbacks`` calls passed on to the kernel below (cond false, or the impl
     called the op again).
     """
     native_stats = {
         f"native/{g.op}/{g.dispatch_key}": {"calls": g.calls, "fallbacks": g.fallbacks}
-        for g in native.grafts()
+        for g in native.grafts() + native.op_kernels()
     }
     return native_stats | registry.override_stats()
 

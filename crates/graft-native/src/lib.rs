@@ -115,8 +115,8 @@ pub fn cuda_status() -> std::result::Result<usize, String> {
     }
 }
 
-/// Every native graft this build has, with its state and counters, then the kernels of
-/// torchgraft's own operators ([`ops`]).
+/// Every native graft this build has, with its state and counters (torchgraft's own operators'
+/// kernels are in [`ops::kernels`]).
 pub fn grafts() -> Vec<GraftInfo> {
     let installed = installed();
     let keys: Vec<&str> = installed.iter().flatten().map(|(key, _)| *key).collect();
@@ -133,7 +133,6 @@ pub fn grafts() -> Vec<GraftInfo> {
                 fallbacks,
             }
         })
-        .chain(ops::kernels())
         .collect()
 }
 

@@ -123,8 +123,6 @@ def _notes(report: ModelReport) -> list[str]:
             lines.append(f"{r.name}: {r.error}")
         for problem in r.state_problems:
             lines.append(f"{r.name}: NOT RESTORED: {problem}")
-        if "adopt_ran" in r.notes and not r.notes["adopt_ran"]:
-            lines.append(f"{r.name}: {r.notes['adoption']} (torchgraft.enable() only)")
         if r.notes.get("global_patches"):
             lines.append(
                 f"{r.name}: Liger's global patches, applied around its own steps only: "

@@ -131,17 +131,10 @@ def _report_json(report: object) -> Any:
 
 
 def _adopt(model: torch.nn.Module) -> tuple[dict[str, Any], Callable[[], None]]:
-    """``torchgraft.adopt(model)`` where this build has it; its notes and how to undo it."""
-    # Until adopt() lands (issue 12) it may be missing: the JSON says whether it ran.
-    if not hasattr(torchgraft, "adopt"):
-        return {"adopt_ran": False, "adoption": "torchgraft.adopt is not in this build"}, (
-            lambda: None
-        )
+    """``torchgraft.adopt(model)``: its report (as notes) and how to undo it."""
     with torchgraft.enabled():
         report = torchgraft.adopt(model)
-    return {"adopt_ran": True, "adoption": _report_json(report)}, (
-        lambda: torchgraft.unadopt(model)
-    )
+    return {"adoption": _report_json(report)}, (lambda: torchgraft.unadopt(model))
 
 
 def _prepare_torchgraft(model: torch.nn.Module, _setting: Setting) -> Prepared:
