@@ -228,6 +228,41 @@ impl Tensor {
     }
 }
 
+/// Writable views of the data of CPU tensors that an operator updates in place (the
+/// `Tensor(a!)` arguments of its schema), one per tensor, in order.
+///
+/// Every tensor must be a contiguous CPU tensor of `T`, and no two may share memory: both are
+/// checked, so the views are disjoint. The `&mut` borrows keep these handles from being viewed
+/// again while the views live; a kernel asking for them views no other handle to the same data.
+pub fn in_place_views<'t, T: Element>(tensors: Vec<&'t mut Tensor>) -> Result<Vec<&'t mut [T]>> {
+    let mut spans = Vec::with_capacity(tensors.len());
+    for t in &tensors {
+        let (ptr, len) = t.host_elements::<T>()?;
+        spans.push((ptr, len));
+    }
+    let bytes = |(ptr, len): (*mut T, usize)| {
+        let start = ptr as usize;
+        (start, start + len * std::mem::size_of::<T>())
+    };
+    for (i, &a) in spans.iter().enumerate() {
+        for (j, &b) in spans.iter().enumerate().skip(i + 1) {
+            let ((a0, a1), (b0, b1)) = (bytes(a), bytes(b));
+            crate::ensure!(
+                a0 == a1 || b0 == b1 || a1 <= b0 || b1 <= a0,
+                "in-place arguments {i} and {j} share memory"
+            );
+        }
+    }
+    Ok(spans
+        .into_iter()
+        // SAFETY: `host_elements` checked dtype, device, contiguity and alignment of each
+        // tensor, whose storage holds `len` elements from `ptr` for as long as the borrowed
+        // handle lives ('t); the spans were just checked to be pairwise disjoint, so no two
+        // views alias, and the exclusive borrows keep these handles from making other views.
+        .map(|(ptr, len)| unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+        .collect())
+}
+
 /// A tensor this code just allocated and nobody else has seen: its data may be written.
 #[derive(Debug)]
 pub struct NewTensor(Tensor);
