@@ -207,7 +207,7 @@ __device__ void step(const AdamParams& p) {
 
 // Entry points graft_adam_{adam,adamw}_{dtype}_{plain,ams}; src/adam.rs lists the names.
 #define GRAFT_ADAM_ENTRY(MODE, ADAMW, AMSNAME, AMS, TAG, T)                                  \
-  extern "C" __global__ void __launch_bounds__(512)                                         \
+  extern "C" __global__ void __launch_bounds__(512, 2)                                      \
       graft_adam_##MODE##_##TAG##_##AMSNAME(const graft_adam::AdamParams p) {                 \
     graft_adam::step<T, ADAMW, AMS>(p);                                                      \
   }

@@ -8,7 +8,9 @@ use graft_abi::{contiguous_strides, in_place_views, DType, Device, Element, Kern
 use graft_kernels::adam::{self, AdamFloat, Buffers};
 use half::{bf16, f16};
 
-use super::{check_numel, counters, float_arg, item, Call, Lr, LrArg, Step, Variant};
+use super::{
+    check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant,
+};
 use crate::stats::Counters;
 use crate::threads::TorchPool;
 
@@ -116,16 +118,23 @@ fn step_one(call: &mut Call, i: usize, hyper: &adam::Hyper) -> Result<bool> {
             t.device()?
         );
     }
-    let mut copied = false;
+    // Dense tensors sharing the parameter's layout are stepped in memory order, as ATen does;
+    // any other layout through contiguous copies (in logical order).
+    let in_memory_order = {
+        let param = &*group[0];
+        let (mut dense, mut contiguous, mut same) = (true, true, true);
+        for t in &group {
+            dense &= t.is_dense()?;
+            contiguous &= t.is_contiguous()?;
+            same &= same_layout(param, t)?;
+        }
+        dense && (contiguous || same)
+    };
     let mut copies: Vec<Option<Tensor>> = Vec::with_capacity(group.len());
     for t in &group {
-        if t.is_contiguous()? {
-            copies.push(None);
-        } else {
-            copies.push(Some(contiguous(t)?));
-            copied = true;
-        }
+        copies.push((!in_memory_order).then(|| contiguous(t)).transpose()?);
     }
+    let copied = !in_memory_order;
     {
         let mut views: Vec<&mut Tensor> = Vec::with_capacity(group.len());
         for (t, copy) in group.iter_mut().zip(copies.iter_mut()) {
@@ -176,3 +185,4 @@ fn contiguous(t: &Tensor) -> Result<Tensor> {
     out.copy_from(t)?;
     Ok(out)
 }
+

@@ -10,7 +10,9 @@ use graft_abi::{ensure, DType, Device, Kernel, Result, Tensor};
 use graft_cuda::{AdamMode, AdamStep, AdamTensor};
 use graft_kernels::adam::Mode;
 
-use super::{check_numel, counters, float_arg, item, Call, Lr, LrArg, Step, Variant};
+use super::{
+    check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant,
+};
 use crate::stats::Counters;
 
 /// Calls of `aten::_fused_adam_` at CUDA.
@@ -44,42 +46,6 @@ fn kernel_dtype(dtype: DType) -> Result<graft_cuda::DType> {
 
 fn ptr(t: &Tensor) -> Result<u64> {
     Ok(t.data_ptr()? as u64)
-}
-
-/// Whether a tensor's elements fill a dense block of memory in some order
-/// (`is_non_overlapping_and_dense`).
-fn dense(t: &Tensor) -> Result<bool> {
-    if t.is_contiguous()? {
-        return Ok(true);
-    }
-    let mut dims: Vec<(i64, i64)> = t
-        .sizes()?
-        .iter()
-        .copied()
-        .zip(t.strides()?.iter().copied())
-        .filter(|&(size, _)| size != 1)
-        .collect();
-    dims.sort_by_key(|&(_, stride)| stride);
-    let mut expected = 1;
-    for (size, stride) in dims {
-        if stride != expected {
-            return Ok(false);
-        }
-        expected *= size;
-    }
-    Ok(true)
-}
-
-/// Same sizes, and same strides where the size is not 1.
-fn same_layout(a: &Tensor, b: &Tensor) -> Result<bool> {
-    if a.sizes()? != b.sizes()? {
-        return Ok(false);
-    }
-    let sizes = a.sizes()?;
-    Ok(sizes
-        .iter()
-        .zip(a.strides()?.iter().zip(b.strides()?))
-        .all(|(&size, (sa, sb))| size == 1 || sa == sb))
 }
 
 impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
@@ -144,7 +110,7 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
             for (_, t) in &group {
                 let ok = t.device()? == device
                     && t.dtype()? == dtype
-                    && dense(t)?
+                    && t.is_dense()?
                     && same_layout(param, t)?;
                 ensure!(ok, "{layout_message}");
             }

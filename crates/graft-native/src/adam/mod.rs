@@ -182,6 +182,18 @@ pub fn check_numel(i: usize, group: &[(&str, &Tensor)]) -> Result<()> {
     Ok(())
 }
 
+/// Same sizes, and same strides where the size is not 1 (ATen's layout check of the lists).
+pub fn same_layout(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let sizes = a.sizes()?;
+    if sizes != b.sizes()? {
+        return Ok(false);
+    }
+    Ok(sizes
+        .iter()
+        .zip(a.strides()?.iter().zip(b.strides()?))
+        .all(|(&size, (sa, sb))| size == 1 || sa == sb))
+}
+
 /// The value of a one-element tensor of any dtype and device, like `Tensor.item()`.
 pub fn item(t: &Tensor) -> Result<f64> {
     let n = t.numel()?;
