@@ -177,7 +177,7 @@ pub(crate) struct Chunk<'a, T> {
 /// One element. `TAIL`: ATen's scalar loop (else its vector loop).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn update<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool>(
+fn update<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool, const SMALL: bool>(
     c: &Coeffs<T::Acc>,
     p: &mut T,
     g: &mut T,
@@ -197,7 +197,7 @@ fn update<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool>(
     param = param * c.decay;
     // exp_avg.lerp_(grad, 1 - beta1), in the form ATen uses for its weight.
     let exp_avg = m.to_acc();
-    let base = if c.lerp_small { exp_avg } else { grad };
+    let base = if SMALL { exp_avg } else { grad };
     let exp_avg = c.lerp_coeff.fma(grad - exp_avg, base);
     let scaled = c.sq_coeff * grad;
     let exp_avg_sq = if TAIL {
@@ -248,7 +248,13 @@ impl<A: Acc> NanTest for A {
 }
 
 #[inline(always)]
-fn run_range<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool>(
+fn run_range<
+    T: AdamFloat,
+    const TAIL: bool,
+    const STORE: bool,
+    const DECAY: bool,
+    const SMALL: bool,
+>(
     c: &Coeffs<T::Acc>,
     p: &mut [T],
     g: &mut [T],
@@ -260,19 +266,19 @@ fn run_range<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: boo
     match mx {
         Some(mx) => {
             for ((((p, g), m), v), mx) in elems.zip(mx) {
-                update::<T, TAIL, STORE, DECAY>(c, p, g, m, v, Some(mx));
+                update::<T, TAIL, STORE, DECAY, SMALL>(c, p, g, m, v, Some(mx));
             }
         }
         None => {
             for (((p, g), m), v) in elems {
-                update::<T, TAIL, STORE, DECAY>(c, p, g, m, v, None);
+                update::<T, TAIL, STORE, DECAY, SMALL>(c, p, g, m, v, None);
             }
         }
     }
 }
 
 #[inline(always)]
-fn run_split<T: AdamFloat, const STORE: bool, const DECAY: bool>(
+fn run_split<T: AdamFloat, const STORE: bool, const DECAY: bool, const SMALL: bool>(
     c: &Coeffs<T::Acc>,
     chunk: Chunk<'_, T>,
 ) {
@@ -288,19 +294,83 @@ fn run_split<T: AdamFloat, const STORE: bool, const DECAY: bool>(
         }
         None => (None, None),
     };
-    run_range::<T, false, STORE, DECAY>(c, p0, g0, m0, v0, mx0);
-    run_range::<T, true, STORE, DECAY>(c, p1, g1, m1, v1, mx1);
+    run_range::<T, false, STORE, DECAY, SMALL>(c, p0, g0, m0, v0, mx0);
+    run_range::<T, true, STORE, DECAY, SMALL>(c, p1, g1, m1, v1, mx1);
 }
 
 /// Updates a chunk; inlined into the instruction-set entry points (simd/x86.rs), so that the
 /// fused multiply-adds compile to FMA instructions there.
 #[inline(always)]
 pub(crate) fn run_chunk<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
-    match (c.store_grad, c.adam_decay) {
-        (false, false) => run_split::<T, false, false>(c, chunk),
-        (false, true) => run_split::<T, false, true>(c, chunk),
-        (true, false) => run_split::<T, true, false>(c, chunk),
-        (true, true) => run_split::<T, true, true>(c, chunk),
+    if std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>() {
+        run_widened(c, chunk);
+    } else {
+        run_same(c, chunk);
+    }
+}
+
+#[inline(always)]
+fn run_same<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
+    // Every per-call switch is a compile-time parameter, so that the loops have no branches
+    // left to keep them from vectorizing.
+    match (c.store_grad, c.adam_decay, c.lerp_small) {
+        (false, false, false) => run_split::<T, false, false, false>(c, chunk),
+        (false, false, true) => run_split::<T, false, false, true>(c, chunk),
+        (false, true, false) => run_split::<T, false, true, false>(c, chunk),
+        (false, true, true) => run_split::<T, false, true, true>(c, chunk),
+        (true, false, false) => run_split::<T, true, false, false>(c, chunk),
+        (true, false, true) => run_split::<T, true, false, true>(c, chunk),
+        (true, true, false) => run_split::<T, true, true, false>(c, chunk),
+        (true, true, true) => run_split::<T, true, true, true>(c, chunk),
+    }
+}
+
+/// Elements widened at a time for 16-bit types (on the stack, five buffers).
+const BLOCK: usize = 1024;
+
+/// 16-bit types: blocks widened to the accumulation type with the vectorized conversions,
+/// updated there, and narrowed back (the same roundings as per element, done faster).
+#[inline(always)]
+fn run_widened<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
+    let zero = T::Acc::ZERO;
+    // The conversions, looked up once (a lookup per call would cost as much as a block).
+    let kernels = crate::dispatch::kernels::<T>();
+    let (widen, narrow) = (kernels.widen, kernels.narrow);
+    let mut buf = [[zero; BLOCK]; 5];
+    let len = chunk.param.len();
+    let mut max = chunk.max_exp_avg_sq;
+    let mut at = 0;
+    while at < len {
+        let end = (at + BLOCK).min(len);
+        let n = end - at;
+        let [p, g, m, v, mx] = &mut buf;
+        let (p, g, m, v, mx) = (&mut p[..n], &mut g[..n], &mut m[..n], &mut v[..n], &mut mx[..n]);
+        widen(&chunk.param[at..end], p);
+        widen(&chunk.grad[at..end], g);
+        widen(&chunk.exp_avg[at..end], m);
+        widen(&chunk.exp_avg_sq[at..end], v);
+        if let Some(max) = max.as_deref_mut() {
+            widen(&max[at..end], mx);
+        }
+        let block = Chunk {
+            param: &mut *p,
+            grad: &mut *g,
+            exp_avg: &mut *m,
+            exp_avg_sq: &mut *v,
+            max_exp_avg_sq: max.is_some().then_some(&mut *mx),
+            tail: chunk.tail.saturating_sub(at),
+        };
+        run_same::<T::Acc>(c, block);
+        narrow(p, &mut chunk.param[at..end]);
+        if c.store_grad {
+            narrow(g, &mut chunk.grad[at..end]);
+        }
+        narrow(m, &mut chunk.exp_avg[at..end]);
+        narrow(v, &mut chunk.exp_avg_sq[at..end]);
+        if let Some(max) = max.as_deref_mut() {
+            narrow(mx, &mut max[at..end]);
+        }
+        at = end;
     }
 }
 
