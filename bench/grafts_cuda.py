@@ -95,17 +95,25 @@ def check_bitwise(shapes, dtype) -> dict:
     torchgraft.disable()
     del state[1]
     torch.cuda.synchronize()
-    differ = sum(int((a != b).sum()) for la, lb in zip(state, theirs) for a, b in zip(la, lb))
+    differ = sum(
+        int((a != b).sum())
+        for la, lb in zip(state, theirs, strict=True)
+        for a, b in zip(la, lb, strict=True)
+    )
     return {"elements_differing_from_aten": differ, "bitwise_equal": differ == 0}
 
 
 def compiled_foreach_step(state):
     params = [torch.nn.Parameter(p) for p in state[0]]
-    for p, g in zip(params, state[1]):
+    for p, g in zip(params, state[1], strict=True):
         p.grad = g
     opt = torch.optim.AdamW(
-        params, lr=KW["lr"], betas=(KW["beta1"], KW["beta2"]), weight_decay=KW["weight_decay"],
-        eps=KW["eps"], foreach=True,
+        params,
+        lr=KW["lr"],
+        betas=(KW["beta1"], KW["beta2"]),
+        weight_decay=KW["weight_decay"],
+        eps=KW["eps"],
+        foreach=True,
     )
     return torch.compile(opt.step)
 
@@ -126,13 +134,11 @@ def bench_list(name, shapes, dtype, reps, with_compile) -> dict:
         try:
             step = compiled_foreach_step(state)
             routes["torch_compile_foreach"] = time_ms(step, reps)
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
+        except Exception as e:
             out["torch_compile_error"] = repr(e)[:300]
     out["ms"] = routes
     out["effective_TBps"] = {k: moved / (v * 1e-3) / 1e12 for k, v in routes.items()}
     out["speedup_vs_aten"] = routes["aten_fused"] / routes["torchgraft_native"]
-    del state
-    torch.cuda.empty_cache()
     return out
 
 
@@ -160,6 +166,7 @@ def main() -> None:
             r = bench_list(name, shapes, dtype, args.reps, not args.skip_compile)
             print(json.dumps(r), flush=True)
             runs.append(r)
+            torch.cuda.empty_cache()
     results["adamw"] = runs
     results["stats"] = {k: v for k, v in torchgraft.stats().items() if "adam" in k}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))

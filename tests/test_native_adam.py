@@ -195,8 +195,10 @@ def test_torch_optim_fused_steps_unchanged(fused_cls, amsgrad):
     x = torch.randn(8, 17)
     for step in range(3):
         for i, (m, opt) in enumerate(zip((model, twin), opts, strict=True)):
-            ctx = torchgraft.enabled() if i == 1 else torch.autograd.graph.saved_tensors_hooks(
-                lambda t: t, lambda t: t
+            ctx = (
+                torchgraft.enabled()
+                if i == 1
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             )
             with ctx:
                 opt.zero_grad()
@@ -251,7 +253,7 @@ def test_empty_tensors_and_lists():
 
 
 def _error_of(fn) -> tuple[type, str]:
-    with pytest.raises(Exception) as info:  # noqa: PT011 - compared with ATen's below
+    with pytest.raises(Exception) as info:
         fn()
     return type(info.value), str(info.value).split("\n")[0]
 
@@ -313,7 +315,12 @@ def test_disable_restores_aten_and_grafts_are_listed():
     assert calls(key("adamw")) == 1
     run("adamw", clone(lists), False, VARIANTS["plain"])
     assert calls(key("adamw")) == 1
-    for op in ("_fused_adamw_", "_fused_adamw_.tensor_lr", "_fused_adam_", "_fused_adam_.tensor_lr"):
+    for op in (
+        "_fused_adamw_",
+        "_fused_adamw_.tensor_lr",
+        "_fused_adam_",
+        "_fused_adam_.tensor_lr",
+    ):
         assert (f"aten::{op}", "CPU") in rows
         assert (f"aten::{op}", "CUDA") in rows
 

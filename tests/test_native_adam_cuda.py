@@ -138,8 +138,9 @@ def test_layout_mismatch_is_an_error_like_aten():
     lists[1][1] = lists[1][1].double()
     with pytest.raises(RuntimeError, match="must have same dtype, device, and layout"):
         torch._fused_adamw_(*lists, amsgrad=False, **BASE)
-    with torchgraft.enabled(), pytest.raises(
-        RuntimeError, match="must have same dtype, device, and layout"
+    with (
+        torchgraft.enabled(),
+        pytest.raises(RuntimeError, match="must have same dtype, device, and layout"),
     ):
         torch._fused_adamw_(*lists, amsgrad=False, **BASE)
 

@@ -262,13 +262,20 @@ impl Tensor {
 /// ([`Tensor::is_dense`]), and no two may share memory: both are checked, so the views are
 /// disjoint. The `&mut` borrows keep these handles from being viewed again while the views
 /// live; a kernel asking for them views no other handle to the same data.
-pub fn in_place_views<'t, T: Element>(tensors: Vec<&'t mut Tensor>) -> Result<Vec<&'t mut [T]>> {
+pub fn in_place_views<T: Element>(tensors: Vec<&mut Tensor>) -> Result<Vec<&mut [T]>> {
     let mut spans = Vec::with_capacity(tensors.len());
     for t in &tensors {
         let dtype = t.dtype()?;
-        crate::ensure!(dtype == T::DTYPE, "expected a {} tensor, got {dtype}", T::DTYPE);
+        crate::ensure!(
+            dtype == T::DTYPE,
+            "expected a {} tensor, got {dtype}",
+            T::DTYPE
+        );
         let device = t.device()?;
-        crate::ensure!(device.kind == DeviceType::CPU, "expected a CPU tensor, got {device}");
+        crate::ensure!(
+            device.kind == DeviceType::CPU,
+            "expected a CPU tensor, got {device}"
+        );
         crate::ensure!(t.is_dense()?, "expected a dense tensor");
         let len = t.numel()?;
         let ptr = t.data_ptr()? as *mut T;

@@ -148,7 +148,10 @@ fn check(a: &AdamStep<'_>) -> Result<(), CudaError> {
         if t.numel == 0 {
             continue;
         }
-        if t.numel.checked_mul(size).is_none_or(|b| b > i64::MAX as u64) {
+        if t.numel
+            .checked_mul(size)
+            .is_none_or(|b| b > i64::MAX as u64)
+        {
             return Err(CudaError::invalid(format!(
                 "graft-cuda: adam: tensor {i} of {} elements is too large",
                 t.numel

@@ -27,6 +27,9 @@ fn every_adam_kernel_matches_atens_arithmetic_on_the_cpu_emulator() {
         .filter_map(|t| t.parse().ok())
         .collect();
     assert_eq!(nums.len(), 3, "{summary}");
-    assert!(nums[0] >= 144 && nums[1] > 500_000, "too few cases ran: {summary}");
+    assert!(
+        nums[0] >= 144 && nums[1] > 500_000,
+        "too few cases ran: {summary}"
+    );
     assert_eq!(nums[2], 0, "{stdout}");
 }

@@ -177,7 +177,13 @@ pub(crate) struct Chunk<'a, T> {
 /// One element. `TAIL`: ATen's scalar loop (else its vector loop).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn update<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool, const SMALL: bool>(
+fn update<
+    T: AdamFloat,
+    const TAIL: bool,
+    const STORE: bool,
+    const DECAY: bool,
+    const SMALL: bool,
+>(
     c: &Coeffs<T::Acc>,
     p: &mut T,
     g: &mut T,
@@ -217,7 +223,7 @@ fn update<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool, 
                 } else {
                     old
                 }
-            } else if old.is_nan_value() || exp_avg_sq.is_nan_value() {
+            } else if is_nan(old) || is_nan(exp_avg_sq) {
                 // The vector maximum propagates NaN.
                 T::Acc::NAN
             } else if old < exp_avg_sq {
@@ -235,16 +241,10 @@ fn update<T: AdamFloat, const TAIL: bool, const STORE: bool, const DECAY: bool, 
 }
 
 /// NaN test through the accumulation type's own comparison (`x != x`).
-trait NanTest {
-    fn is_nan_value(self) -> bool;
-}
-
-impl<A: Acc> NanTest for A {
-    #[inline(always)]
-    #[allow(clippy::eq_op)]
-    fn is_nan_value(self) -> bool {
-        self != self
-    }
+#[inline(always)]
+#[allow(clippy::eq_op)]
+fn is_nan<A: Acc>(x: A) -> bool {
+    x != x
 }
 
 #[inline(always)]
@@ -344,7 +344,13 @@ fn run_widened<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
         let end = (at + BLOCK).min(len);
         let n = end - at;
         let [p, g, m, v, mx] = &mut buf;
-        let (p, g, m, v, mx) = (&mut p[..n], &mut g[..n], &mut m[..n], &mut v[..n], &mut mx[..n]);
+        let (p, g, m, v, mx) = (
+            &mut p[..n],
+            &mut g[..n],
+            &mut m[..n],
+            &mut v[..n],
+            &mut mx[..n],
+        );
         widen(&chunk.param[at..end], p);
         widen(&chunk.grad[at..end], g);
         widen(&chunk.exp_avg[at..end], m);

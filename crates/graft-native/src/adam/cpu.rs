@@ -4,13 +4,13 @@
 //! ATen reads every tensor as a flat array; a tensor that is not contiguous is computed here
 //! through a contiguous copy that is written back afterwards (counted as a fallback).
 
-use graft_abi::{contiguous_strides, in_place_views, DType, Device, Element, Kernel, Result, Tensor};
+use graft_abi::{
+    contiguous_strides, in_place_views, DType, Device, Element, Kernel, Result, Tensor,
+};
 use graft_kernels::adam::{self, AdamFloat, Buffers};
 use half::{bf16, f16};
 
-use super::{
-    check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant,
-};
+use super::{check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;
 use crate::threads::TorchPool;
 
@@ -185,4 +185,3 @@ fn contiguous(t: &Tensor) -> Result<Tensor> {
     out.copy_from(t)?;
     Ok(out)
 }
-

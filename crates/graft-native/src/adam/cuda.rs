@@ -10,9 +10,7 @@ use graft_abi::{ensure, DType, Device, Kernel, Result, Tensor};
 use graft_cuda::{AdamMode, AdamStep, AdamTensor};
 use graft_kernels::adam::Mode;
 
-use super::{
-    check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant,
-};
+use super::{check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;
 
 /// Calls of `aten::_fused_adam_` at CUDA.
@@ -78,7 +76,10 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
                 (0.0, Some(t))
             }
         };
-        for (name, t) in [("grad_scale", &call.grad_scale), ("found_inf", &call.found_inf)] {
+        for (name, t) in [
+            ("grad_scale", &call.grad_scale),
+            ("found_inf", &call.found_inf),
+        ] {
             if let Some(t) = t {
                 ensure!(
                     t.device()? == device,

@@ -140,7 +140,10 @@ impl Call {
         };
         expect(self.grads.len() == n, "grads.size() == n_tensors")?;
         expect(self.exp_avgs.len() == n, "exp_avgs.size() == n_tensors")?;
-        expect(self.exp_avg_sqs.len() == n, "exp_avg_sqs.size() == n_tensors")?;
+        expect(
+            self.exp_avg_sqs.len() == n,
+            "exp_avg_sqs.size() == n_tensors",
+        )?;
         if self.amsgrad {
             expect(
                 self.max_exp_avg_sqs.len() == n,
@@ -149,11 +152,19 @@ impl Call {
         } else {
             expect(self.max_exp_avg_sqs.is_empty(), "max_exp_avg_sqs.empty()")?;
         }
-        expect(self.state_steps.len() == n, "state_steps.size() == n_tensors")
+        expect(
+            self.state_steps.len() == n,
+            "state_steps.size() == n_tensors",
+        )
     }
 
     /// The step's constants for the kernels of `graft_kernels::adam`, with the lr given.
-    pub fn hyper(&self, mode: Mode, lr: f64, grad_scale: Option<f32>) -> graft_kernels::adam::Hyper {
+    pub fn hyper(
+        &self,
+        mode: Mode,
+        lr: f64,
+        grad_scale: Option<f32>,
+    ) -> graft_kernels::adam::Hyper {
         graft_kernels::adam::Hyper {
             mode,
             lr,
@@ -197,7 +208,10 @@ pub fn same_layout(a: &Tensor, b: &Tensor) -> Result<bool> {
 /// The value of a one-element tensor of any dtype and device, like `Tensor.item()`.
 pub fn item(t: &Tensor) -> Result<f64> {
     let n = t.numel()?;
-    ensure!(n == 1, "a Tensor with {n} elements cannot be converted to Scalar");
+    ensure!(
+        n == 1,
+        "a Tensor with {n} elements cannot be converted to Scalar"
+    );
     if t.device()? == Device::CPU && t.is_contiguous()? {
         match t.dtype()? {
             DType::F32 => return Ok(f64::from(t.as_slice::<f32>()?[0])),
