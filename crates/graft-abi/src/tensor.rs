@@ -308,7 +308,7 @@ pub fn in_place_views<T: Element>(tensors: Vec<&mut Tensor>) -> Result<Vec<&mut 
         // SAFETY: each tensor was checked to be a CPU tensor of `T`, aligned, whose `len`
         // elements fill the block of memory that starts at its data pointer (dense, so every
         // stride is positive and the first element has the lowest address); the storage lives
-        // as long as the borrowed handle ('t). The spans were just checked to be pairwise
+        // as long as the borrowed handle. The spans were just checked to be pairwise
         // disjoint, so no two views alias, and the exclusive borrows keep these handles from
         // making other views.
         .map(|(ptr, len)| unsafe { std::slice::from_raw_parts_mut(ptr, len) })
