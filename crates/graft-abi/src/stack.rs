@@ -294,3 +294,26 @@ tuple_impls!(5; A 0, B 1, C 2, D 3, E 4);
 tuple_impls!(6; A 0, B 1, C 2, D 3, E 4, F 5);
 tuple_impls!(7; A 0, B 1, C 2, D 3, E 4, F 5, G 6);
 tuple_impls!(8; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
+tuple_impls!(9; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8);
+tuple_impls!(10; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9);
+tuple_impls!(11; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10);
+tuple_impls!(12; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11);
+tuple_impls!(13; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12);
+tuple_impls!(14; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13);
+tuple_impls!(15; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14);
+
+/// An operator that returns nothing (`-> ()`, e.g. in-place optimizer steps).
+impl KernelOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A dispatcher call of an operator that returns nothing.
+impl CallOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn take(_stack: *const StableIValue) -> Result<()> {
+        Ok(())
+    }
+}

@@ -18,6 +18,7 @@
 
 #![warn(missing_docs)]
 
+mod adam;
 mod config;
 mod device;
 mod driver;
@@ -29,6 +30,7 @@ mod params;
 mod rms_norm;
 pub mod tools;
 
+pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
 pub use config::{DeviceLimits, KernelAttrs};
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
