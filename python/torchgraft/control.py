@@ -57,35 +57,56 @@ def enable(routes: Iterable[str] | None = None) -> None:
             return
         if _enabled:
             return
-        if "native" in wanted:
-            _enable_native()
-        if "triton" in wanted and (routes is not None or not _native_covers_cuda()):
-            rms_norm.register()
+        native_wanted = "native" in wanted and _native_allowed()
+        try:
+            # The Python route first: it is the step that can fail on user input (a bad
+            # TORCHGRAFT_OVERRIDE_ORDER_FN); the native route's enable is all or nothing itself.
+            if "triton" in wanted and (
+                routes is not None or _triton_route_needed(native_covers_cuda=native_wanted)
+            ):
+                rms_norm.register()
+            if native_wanted:
+                # Routers capture the kernel below them when installed: rebuild them on top.
+                with registry.suspend_routers():
+                    native.enable()
+        except BaseException:
+            _undo()
+            raise
         _enabled = True
 
 
-def _native_covers_cuda() -> bool:
-    return any(g.dispatch_key == "CUDA" and g.active for g in native.grafts())
-
-
-def _enable_native() -> None:
+def _native_allowed() -> bool:
     if _env_flag(DISABLE_NATIVE_ENV):
         log.info("native route skipped: %s is set", DISABLE_NATIVE_ENV)
-    elif not native.available():
+        return False
+    if not native.available():
         log.info("native route skipped: the extension torchgraft._native is not built")
-    else:
-        # Routers capture the kernel below them when installed: rebuild them on top.
-        with registry.suspend_routers():
-            native.enable()
+        return False
+    return True
+
+
+def _triton_route_needed(*, native_covers_cuda: bool) -> bool:
+    """Whether the default routes include Triton: only where a GPU is that the native route does
+    not cover (on a machine without one its CUDA routers would never run, yet cost memory)."""
+    if native_covers_cuda and native.cuda_devices() > 0:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _undo() -> None:
+    """Remove whatever :func:`enable` installed (after a failed enable: whatever it got to)."""
+    rms_norm.deregister()
+    with registry.suspend_routers():
+        native.disable()
 
 
 def disable() -> None:
     """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
     global _enabled
     with _lock:
-        rms_norm.deregister()
-        with registry.suspend_routers():
-            native.disable()
+        _undo()
         _enabled = False
 
 
