@@ -221,19 +221,24 @@ fn to_other_dtype(t: &Owned) -> Owned {
     }
 }
 
-/// `t.to(dtype, memory_format=torch.contiguous_format)`: `t` itself when contiguous and of that
-/// dtype, else a fresh contiguous tensor.
-fn to_contiguous(t: &Owned, same_dtype: bool) -> Owned {
-    if same_dtype && is_contiguous(t.shape()) {
+/// `t.to(dtype, memory_format=torch.contiguous_format)`: `t` itself (whatever its strides)
+/// when it has that dtype and does not suggest another memory format (ATen's `to_will_alias`),
+/// else a fresh contiguous tensor.
+fn to_contiguous_format(t: &Owned, same_dtype: bool) -> Owned {
+    if same_dtype && !suggests_channels_last(t.shape()) {
         t.clone()
     } else {
         Owned::contiguous(&t.sizes)
     }
 }
 
-/// `t.contiguous()`.
+/// `t.contiguous()`: `t` itself when contiguous, else a contiguous copy.
 fn contiguous(t: &Owned) -> Owned {
-    to_contiguous(t, true)
+    if is_contiguous(t.shape()) {
+        t.clone()
+    } else {
+        Owned::contiguous(&t.sizes)
+    }
 }
 
 /// The broadcast shape of `inputs` (all assumed broadcastable).
@@ -251,101 +256,116 @@ fn broadcast_shape(inputs: &[Shape<'_>]) -> Vec<i64> {
     shape
 }
 
-/// The output of an elementwise op (TensorIterator, output allocated by it) on `inputs`, in
-/// operand order. A 0-dim input (a Python number) takes part only by making the shapes differ.
-fn elementwise(inputs: &[Shape<'_>]) -> Owned {
-    let shape = broadcast_shape(inputs);
+/// `t.expand(shape)` (ATen's `inferExpandGeometry`): broadcast dims get stride 0, a new leading
+/// dim of size 1 the stride that would make it contiguous with the next.
+fn expand(t: Shape<'_>, shape: &[i64]) -> Owned {
     let dim = shape.len();
-    if let Some(strides) = fast_setup(inputs, &shape) {
-        return Owned {
-            sizes: shape,
-            strides,
+    let offset = dim - t.sizes.len();
+    let mut strides = vec![0; dim];
+    for i in (0..dim).rev() {
+        let (size, stride) = match i.checked_sub(offset) {
+            Some(j) => (t.sizes[j], t.strides[j]),
+            None if i + 1 < dim => (1, shape[i + 1] * strides[i + 1]),
+            None => (1, 1),
         };
+        strides[i] = if size != shape[i] { 0 } else { stride };
     }
-    // compute_strides: right-aligned, broadcast dims get stride 0.
-    let operand_strides: Vec<Vec<i64>> = inputs
-        .iter()
-        .map(|t| {
-            let offset = dim - t.sizes.len();
-            let mut strides = vec![0; dim];
-            for (i, (&size, &stride)) in t.sizes.iter().zip(t.strides).enumerate() {
-                strides[offset + i] = if size == 1 && shape[offset + i] != 1 {
-                    0
-                } else {
-                    stride
-                };
-            }
-            strides
-        })
-        .collect();
+    Owned {
+        sizes: shape.to_vec(),
+        strides,
+    }
+}
+
+/// torch._prims_common's `compute_elementwise_output_logical_to_physical_perm` for tensors of one
+/// shape: contiguous or channels-last inputs keep that order, otherwise dims are sorted by stride
+/// (TensorIterator's insertion sort and tie-breaks), skipping broadcast (0) strides.
+fn output_perm(tensors: &[Shape<'_>]) -> Vec<usize> {
+    let Some(first) = tensors.first() else {
+        return Vec::new();
+    };
+    let dim = first.sizes.len();
     if dim <= 1 {
-        return Owned::contiguous(&shape);
+        return (0..dim).collect();
     }
-    let should_swap = |d0: usize, d1: usize| -> i32 {
-        for strides in &operand_strides {
-            let (s0, s1) = (strides[d0], strides[d1]);
-            if s0 == 0 || s1 == 0 {
+    let contiguous = tensors.iter().all(|&t| is_contiguous(t));
+    let channels_last = dim == 4 && tensors.iter().all(|&t| is_channels_last_contiguous(t));
+    if contiguous && !channels_last {
+        return (0..dim).collect();
+    }
+    if channels_last && !contiguous {
+        return vec![0, 2, 3, 1];
+    }
+    let shape = first.sizes;
+    // prims' `ge`: a >= b, or a is a multiple of b (0 counts as larger than anything).
+    let ge = |a: i64, b: i64| b == 0 || (a != 0 && (a >= b || a % b == 0));
+    let should_swap = |a: usize, b: usize| -> i32 {
+        for t in tensors {
+            let (sa, sb) = (t.strides[a], t.strides[b]);
+            if sa == 0 || sb == 0 {
                 continue;
             }
-            if s0 < s1 {
-                return -1;
-            }
-            if s0 > s1 {
+            if sa == sb {
+                if ge(shape[b], shape[a]) {
+                    continue;
+                }
                 return 1;
             }
-            if shape[d0] > shape[d1] {
+            if ge(sb, sa) {
+                return -1;
+            }
+            if ge(sa, sb) {
                 return 1;
             }
         }
         0
     };
-    let perm = sort_dims(dim, should_swap);
-    if perm.iter().enumerate().all(|(i, &d)| d == dim - 1 - i) {
-        return Owned::contiguous(&shape);
+    let mut perm = sort_dims(dim, should_swap);
+    perm.reverse();
+    perm
+}
+
+/// Strides of `torch.empty_permuted(sizes, perm)`: contiguous in the physical order `perm`.
+fn permuted_strides(sizes: &[i64], perm: &[usize]) -> Vec<i64> {
+    let physical: Vec<i64> = perm.iter().map(|&d| sizes[d]).collect();
+    let contiguous = contiguous_strides(&physical);
+    let mut strides = vec![0; sizes.len()];
+    for (i, &d) in perm.iter().enumerate() {
+        strides[d] = contiguous[i];
     }
-    // compatible_stride over the permuted shape, then invert_perm.
-    let mut strides = vec![0; dim];
-    let mut next = 1;
-    for &d in &perm {
-        strides[d] = next;
-        next *= shape[d];
+    strides
+}
+
+/// `prims.convert_element_type(t, dtype)`: dense strides are kept, others become those of
+/// `torch.empty_like(t)`.
+fn convert_element_type(t: Owned) -> Owned {
+    if is_non_overlapping_and_dense(t.shape()) {
+        return t;
     }
+    let strides = permuted_strides(&t.sizes, &output_perm(&[t.shape()]));
     Owned {
-        sizes: shape,
+        sizes: t.sizes,
         strides,
     }
 }
 
-/// TensorIterator's fast set-up: all inputs of one shape and contiguous, or all channels-last
-/// contiguous, or all dense with equal strides.
-fn fast_setup(inputs: &[Shape<'_>], shape: &[i64]) -> Option<Vec<i64>> {
-    let has_scalars = inputs.iter().any(|t| t.sizes.is_empty());
-    let has_tensors = inputs.iter().any(|t| !t.sizes.is_empty());
-    if (has_scalars && has_tensors) || inputs.iter().any(|t| t.sizes != shape) {
-        return None;
+/// The output of an elementwise op as its meta function (a torch._refs reference over prims)
+/// lays it out: the inputs (already in the computation dtype) are broadcast, then the output is
+/// `empty_permuted` in the order [`output_perm`] finds. 0-dim inputs stand for Python numbers
+/// (CPU scalars) and take no part.
+fn elementwise(inputs: &[Shape<'_>]) -> Owned {
+    let tensors: Vec<Shape<'_>> = inputs
+        .iter()
+        .copied()
+        .filter(|t| !t.sizes.is_empty())
+        .collect();
+    let shape = broadcast_shape(&tensors);
+    let expanded: Vec<Owned> = tensors.iter().map(|&t| expand(t, &shape)).collect();
+    let shapes: Vec<Shape<'_>> = expanded.iter().map(Owned::shape).collect();
+    let strides = permuted_strides(&shape, &output_perm(&shapes));
+    Owned {
+        sizes: shape,
+        strides,
     }
-    if inputs.iter().all(|&t| is_contiguous(t)) {
-        return Some(contiguous_strides(shape));
-    }
-    if inputs.iter().all(|&t| is_channels_last_contiguous(t)) && shape.len() == 4 {
-        return Some(channels_last_strides(shape));
-    }
-    let dense = inputs.iter().all(|&t| is_non_overlapping_and_dense(t));
-    let first = inputs.first()?;
-    if dense && inputs.iter().all(|t| t.strides == first.strides) {
-        return Some(first.strides.to_vec());
-    }
-    None
-}
-
-/// c10's `get_channels_last_strides_2d` for a 4-d shape.
-fn channels_last_strides(sizes: &[i64]) -> Vec<i64> {
-    let mut strides = vec![0; 4];
-    strides[1] = 1;
-    strides[3] = sizes[1].max(1);
-    strides[2] = strides[3] * sizes[3].max(1);
-    strides[0] = strides[2] * sizes[2].max(1);
-    strides
 }
 
 /// rstd's sizes: the batch dims, then a 1 for each normalized dim.
@@ -360,11 +380,12 @@ pub fn rstd_sizes(input_sizes: &[i64], normalized_dims: usize) -> Vec<i64> {
 
 /// Strides of the forward's outputs (y, rstd) for an input whose trailing `normalized_dims` dims
 /// are normalized and a weight shaped like them. `opmath_input`: the input already has the
-/// accumulation dtype (float32 / float64), so the composite's `to(opmath)` is a no-op.
+/// accumulation dtype (float32 / float64), so the composite's `to(opmath)` is a no-op; the
+/// weight comes with the same flag of its own.
 pub fn forward_strides(
     input: Shape<'_>,
     normalized_dims: usize,
-    weight: Option<Shape<'_>>,
+    weight: Option<(Shape<'_>, bool)>,
     opmath_input: bool,
 ) -> (Vec<i64>, Vec<i64>) {
     let input_owned = Owned::of(input);
@@ -377,8 +398,13 @@ pub fn forward_strides(
     // tensor is contiguous.
     let rstd = Owned::contiguous(&rstd_sizes(input.sizes, normalized_dims));
     let mut y = elementwise(&[up.shape(), rstd.shape()]);
-    if let Some(weight) = weight {
-        y = elementwise(&[y.shape(), weight]);
+    if let Some((weight, opmath_weight)) = weight {
+        // A weight of another dtype is converted to the computation dtype first.
+        let weight = match opmath_weight {
+            true => Owned::of(weight),
+            false => convert_element_type(Owned::of(weight)),
+        };
+        y = elementwise(&[y.shape(), weight.shape()]);
     }
     if !suggests_channels_last(input) {
         y = contiguous(&y);
@@ -390,13 +416,14 @@ pub fn forward_strides(
 }
 
 /// Strides of the backward's grad_input, replaying the decomposition that is its meta function.
-/// `opmath_input`: input (and grad_out, weight) have the accumulation dtype.
+/// `opmath_input`: input and grad_out have the accumulation dtype; the weight comes with the
+/// same flag of its own.
 pub fn backward_input_strides(
     grad_out: Shape<'_>,
     input: Shape<'_>,
     normalized_dims: usize,
     rstd: Shape<'_>,
-    weight: Option<Shape<'_>>,
+    weight: Option<(Shape<'_>, bool)>,
     opmath_input: bool,
 ) -> Vec<i64> {
     let sizes = input.sizes;
@@ -406,8 +433,8 @@ pub fn backward_input_strides(
     if rows == 0 || cols == 0 {
         return contiguous_strides(sizes); // input.new_zeros(input.shape)
     }
-    let grad_out = to_contiguous(&Owned::of(grad_out), opmath_input);
-    let input = to_contiguous(&Owned::of(input), opmath_input);
+    let grad_out = to_contiguous_format(&Owned::of(grad_out), opmath_input);
+    let input = to_contiguous_format(&Owned::of(input), opmath_input);
     let mut rstd = Owned::of(rstd);
     while rstd.sizes.len() < sizes.len() {
         // unsqueeze(-1): a trailing dim of size 1 and stride 1.
@@ -415,9 +442,9 @@ pub fn backward_input_strides(
         rstd.strides.push(1);
     }
     let grad_x_hat = match weight {
-        Some(w) => elementwise(&[
+        Some((w, opmath_weight)) => elementwise(&[
             grad_out.shape(),
-            to_contiguous(&Owned::of(w), opmath_input).shape(),
+            to_contiguous_format(&Owned::of(w), opmath_weight).shape(),
         ]),
         None => grad_out,
     };

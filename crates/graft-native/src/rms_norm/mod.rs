@@ -290,14 +290,15 @@ fn shape_of(t: &Tensor) -> Result<Shape<'_>> {
     })
 }
 
-/// Whether `t` has exactly torch's contiguous strides and elements: its RMSNorm outputs are then
-/// contiguous too (no ties between strides for TensorIterator to break), the common case that
-/// needs no layout replay.
+/// Whether `t` has torch's contiguous strides and no dim of size 0 or 1. Its RMSNorm outputs
+/// are then contiguous: its strides strictly decrease, so they decide every comparison of the
+/// meta functions' stride sort (a size-1 dim would tie with its neighbour and let the weight or
+/// grad_out decide). The common case, which needs no layout replay.
 fn is_plainly_contiguous(t: &Tensor) -> Result<bool> {
     let (sizes, strides) = (t.sizes()?, t.strides()?);
     let mut expected = 1;
     for (&size, &stride) in sizes.iter().zip(strides).rev() {
-        if stride != expected || size == 0 {
+        if stride != expected || size < 2 {
             return Ok(false);
         }
         expected *= size;
@@ -321,7 +322,11 @@ pub fn in_forward_layout(
     if is_plainly_contiguous(input)? {
         return Ok((y, rstd));
     }
-    let weight = weight.map(shape_of).transpose()?;
+    let opmath = acc_dtype(input.dtype()?);
+    let weight = match weight {
+        Some(w) => Some((shape_of(w)?, w.dtype()? == opmath)),
+        None => None,
+    };
     let (y_strides, rstd_strides) = layout::forward_strides(
         shape_of(input)?,
         normalized_dims,
@@ -351,7 +356,11 @@ pub fn in_backward_layout(
     if is_plainly_contiguous(input)? && is_plainly_contiguous(grad_out)? {
         return Ok((dx, dw));
     }
-    let weight = weight.map(shape_of).transpose()?;
+    let opmath = acc_dtype(input.dtype()?);
+    let weight = match weight {
+        Some(w) => Some((shape_of(w)?, w.dtype()? == opmath)),
+        None => None,
+    };
     let strides = layout::backward_input_strides(
         shape_of(grad_out)?,
         shape_of(input)?,
