@@ -70,7 +70,10 @@ def strided(sizes: list[int], rng: random.Random, dtype: torch.dtype) -> torch.T
 
 def random_sizes(rng: random.Random) -> list[int]:
     dim = rng.randint(1, 5)
-    return [rng.choice([0, 1, 1, 2, 3, 5]) if rng.random() < 0.25 else rng.randint(1, 6) for _ in range(dim)]
+    return [
+        rng.choice([0, 1, 1, 2, 3, 5]) if rng.random() < 0.25 else rng.randint(1, 6)
+        for _ in range(dim)
+    ]
 
 
 CASES = list(range(400))
