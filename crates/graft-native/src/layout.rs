@@ -1,15 +1,18 @@
-//! Output strides of RMSNorm as ATen's meta functions give them, computed in Rust.
+//! Output strides of RMSNorm as torch's meta functions give them, computed in Rust.
 //!
-//! torch.compile and every caller that inspects strides see what the meta function says, so a
-//! graft must return exactly those layouts. ATen's forward on the meta device is its composite
-//! (`rms_norm_composite`: `x.to(opmath)`, `pow`, `mean(keepdim)`, `add_`, `rsqrt`, `mul`, `mul`,
-//! `contiguous` unless the input suggests channels-last, `type_as`); the backward's meta function is
-//! the Python decomposition `torch._decomp.decompositions._fused_rms_norm_backward`. Asking them
-//! at run time would run Python (and import torch._dynamo) on the native call path, so this
-//! module replays their layout rules instead: c10's contiguity and channels-last tests,
-//! `infer_dense_strides` (`.to()` of a tensor that is not dense) and TensorIterator's output
-//! strides (`reorder_dimensions`, `compatible_stride`, `invert_perm`). The Python tests compare
-//! the result with torch's meta functions over many layouts.
+//! torch.compile (fake tensors) and every caller that inspects strides see what the meta
+//! function says, so a graft must return exactly those layouts. On the meta device the forward
+//! is ATen's composite (`rms_norm_composite`: `x.to(opmath)`, `pow`, `mean(keepdim)`, `add_`,
+//! `rsqrt`, `mul`, `mul`, `.contiguous()` unless the input suggests channels-last, `type_as`);
+//! the backward's meta function is the Python decomposition
+//! `torch._decomp.decompositions._fused_rms_norm_backward`. In a Python process the elementwise
+//! and reduction ops inside both run torch's Python meta functions (torch._refs over prims, whose
+//! output order comes from `torch._prims_common.compute_elementwise_output_logical_to_physical_perm`);
+//! `to`, `contiguous` and `expand` run their C++ ones. Asking them at run time would run Python
+//! (and import torch._dynamo) on the native call path, so this module replays their rules: c10's
+//! contiguity and channels-last tests, `to_will_alias`, `infer_dense_strides`, `inferExpandGeometry`,
+//! and prims' stride sort. tests/test_reliability_layouts.py holds it to torch's meta functions
+//! over hundreds of random layouts.
 
 use graft_abi::contiguous_strides;
 
@@ -189,7 +192,8 @@ fn infer_dense_strides(t: Shape<'_>) -> Vec<i64> {
 }
 
 /// TensorIterator's insertion sort of dims from the fastest-moving, with ambiguous comparisons
-/// (`should_swap` returns 1 to swap, -1 to stop, 0 when it cannot tell).
+/// (`should_swap` returns 1 to swap, -1 to stop, 0 when it cannot tell); prims and
+/// `infer_dense_strides` use the same one.
 fn sort_dims(dim: usize, should_swap: impl Fn(usize, usize) -> i32) -> Vec<usize> {
     let mut perm: Vec<usize> = (0..dim).rev().collect();
     for i in 1..dim {
