@@ -21,6 +21,8 @@ FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # Relative-norm tolerances against a float64 reference: rounding of the output dtype.
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 FWD, BWD = "native/aten::_fused_rms_norm/CPU", "native/aten::_fused_rms_norm_backward/CPU"
+# torch >= 2.13 hands the message of an op a stable-ABI kernel called back to it.
+NESTED_MESSAGES = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 @pytest.fixture(autouse=True)
@@ -272,6 +274,9 @@ def test_mixed_weight_dtype_on_direct_calls_matches_the_composite():
 def test_invalid_calls_raise_runtime_error(call, message):
     with torchgraft.enabled(), pytest.raises(RuntimeError) as info:
         call()
+    if message.startswith(("The size of tensor", "The expanded size")) and not NESTED_MESSAGES:
+        # Raised by an op the graft calls; torch < 2.13 only logs its message to stderr.
+        message = "failed (torch logged the reason above)"
     assert message in str(info.value)
     # The same call on stock PyTorch fails too (stock CPU has no backward kernel at all); direct
     # forward calls that stock's composite accepts are in test_reliability_direct_calls.py.

@@ -245,12 +245,14 @@ def test_first_grafted_call_costs_at_most_twice_stock_and_imports_nothing():
         from first_call_latency import sample
     finally:
         sys.path.pop(0)
-    # One fresh interpreter each (importing torch dominates the test's time).
-    stock = float(sample("stock", "transposed")["forward_ms"])
-    grafted = sample("native", "transposed")
-    assert grafted["imported"] == [], grafted
-    # 2x stock, plus a millisecond for scheduling noise on a shared machine.
-    assert float(grafted["forward_ms"]) <= 2 * stock + 1.0, (grafted, stock)
+    # A fresh interpreter per sample (importing torch dominates the test's time); the best of
+    # two, as a loaded machine can stall any single call by milliseconds.
+    stock = min(float(sample("stock", "transposed")["forward_ms"]) for _ in range(2))
+    grafted = [sample("native", "transposed") for _ in range(2)]
+    assert all(g["imported"] == [] for g in grafted), grafted
+    best = min(float(g["forward_ms"]) for g in grafted)
+    # 2x stock, plus a few milliseconds of scheduling noise (the defect was ~1 s).
+    assert best <= 2 * stock + 5.0, (grafted, stock)
 
 
 def _child_computes(queue: multiprocessing.Queue) -> None:

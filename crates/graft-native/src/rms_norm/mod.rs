@@ -306,11 +306,6 @@ fn is_plainly_contiguous(t: &Tensor) -> Result<bool> {
     Ok(true)
 }
 
-/// Whether `dtype` is its own accumulation dtype (float32, float64).
-fn is_opmath(dtype: DType) -> bool {
-    acc_dtype(dtype) == dtype
-}
-
 /// The forward's contiguous outputs (y, rstd) in the layout ATen's meta function gives them,
 /// for a call normalizing the trailing `normalized_dims` dims with a weight of their shape.
 pub fn in_forward_layout(
@@ -322,6 +317,7 @@ pub fn in_forward_layout(
     if is_plainly_contiguous(input)? {
         return Ok((y, rstd));
     }
+    // Each tensor with whether it already has the dtype the meta function computes in.
     let opmath = acc_dtype(input.dtype()?);
     let weight = match weight {
         Some(w) => Some((shape_of(w)?, w.dtype()? == opmath)),
@@ -331,7 +327,7 @@ pub fn in_forward_layout(
         shape_of(input)?,
         normalized_dims,
         weight,
-        is_opmath(input.dtype()?),
+        input.dtype()? == opmath,
     );
     Ok((
         with_strides(y, &y_strides)?,
@@ -367,7 +363,7 @@ pub fn in_backward_layout(
         normalized_dims,
         shape_of(rstd)?,
         weight,
-        is_opmath(input.dtype()?),
+        input.dtype()? == opmath,
     );
     Ok((with_strides(dx, &strides)?, dw))
 }
