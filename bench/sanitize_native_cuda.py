@@ -27,29 +27,33 @@ SHAPES = [(1, 1), (3, 7), (5, 64), (4, 1000), (2, 4096), (3, 8191), (0, 64), (6,
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
+    out, ref = out.cpu().double(), ref.cpu().double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 def reference(x, w, eps):
-    x64 = x.double()
+    """float64 RMSNorm on the CPU (so the sanitizer watches torchgraft's kernels, not these)."""
+    x64 = x.cpu().double()
     y = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps)
-    return y if w is None else y * w.double()
+    return y if w is None else y * w.cpu().double()
+
+
+def cuda_randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, dtype=torch.float64).to(dtype).cuda()
 
 
 def run_case(shape, dtype, weight, mask, transposed) -> None:
-    dev = "cuda"
     cols = shape[-1]
-    x = torch.randn(shape, dtype=torch.float64, device=dev).to(dtype)
+    x = cuda_randn(*shape, dtype=dtype)
     if transposed and len(shape) == 2 and shape[0] > 1:
         x = x.t().contiguous().t()  # a column-major view
     w = None
     if weight == "same":
-        w = torch.randn(cols, dtype=torch.float64, device=dev).to(dtype)
+        w = cuda_randn(cols, dtype=dtype)
     elif weight == "float32":
-        w = torch.randn(cols, dtype=torch.float32, device=dev)
+        w = cuda_randn(cols, dtype=torch.float32)
     y, rstd = torch.ops.aten._fused_rms_norm(x, [cols], w, 1e-5)
-    dy = torch.randn_like(y)
+    dy = cuda_randn(*y.shape, dtype=dtype)
     dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [cols], rstd, w, list(mask))
     torch.cuda.synchronize()
     if x.numel() == 0:
@@ -57,11 +61,11 @@ def run_case(shape, dtype, weight, mask, transposed) -> None:
     tol = TOL[dtype]
     if rel_err(y, reference(x, w, 1e-5)) > tol:
         raise AssertionError(f"forward {shape} {dtype} {weight}")
-    x64 = x.double().requires_grad_()
-    w64 = None if w is None else w.double().requires_grad_()
+    x64 = x.cpu().double().requires_grad_()
+    w64 = None if w is None else w.cpu().double().requires_grad_()
     ref = reference(x64, w64, 1e-5)
     wanted = [t for t in (x64, w64) if t is not None]
-    grads = torch.autograd.grad(ref, wanted, dy.double())
+    grads = torch.autograd.grad(ref, wanted, dy.cpu().double())
     if mask[0] and rel_err(dx, grads[0]) > 4 * tol:
         raise AssertionError(f"dx {shape} {dtype} {weight}")
     if mask[1] and w is not None and rel_err(dw, grads[1]) > 4 * tol:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
+pytest.importorskip("hypothesis")  # in the dev environment (Makefile); optional elsewhere
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
