@@ -21,6 +21,8 @@ FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # Relative-norm tolerances against a float64 reference: rounding of the output dtype.
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 FWD, BWD = "native/aten::_fused_rms_norm/CPU", "native/aten::_fused_rms_norm_backward/CPU"
+# torch >= 2.13 hands the message of an op a stable-ABI kernel called back to it.
+NESTED_MESSAGES = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 @pytest.fixture(autouse=True)
@@ -241,20 +243,9 @@ def test_mixed_weight_dtype_on_direct_calls_matches_the_composite():
         (lambda: F.rms_norm(randn(3, 4), [5]), "expected input with shape [*5]"),
         (lambda: F.rms_norm(randn(3, 4), [4], randn(5)), "Expected weight to be of same shape"),
         (
-            lambda: torch.ops.aten._fused_rms_norm(randn(3, 4), [5], None, None),
-            "expected input with shape [*5]",
-        ),
-        (
-            lambda: torch.ops.aten._fused_rms_norm(randn(3, 4), [2, 4], None, None),
-            "expected input with shape [*2, 4]",
-        ),
-        (
-            lambda: torch.ops.aten._fused_rms_norm(randn(3, 4), [], None, None),
-            "at least 1-dimensional",
-        ),
-        (
+            # A direct call runs ATen's composite, as on stock CPU: the weight must broadcast.
             lambda: torch.ops.aten._fused_rms_norm(randn(3, 4), [4], randn(2, 2), None),
-            "Expected weight to be of same shape",
+            "The size of tensor a (4) must match the size of tensor b (2)",
         ),
         (
             lambda: torch.ops.aten._fused_rms_norm(torch.randint(0, 9, (3, 4)), [4], None, None),
@@ -276,16 +267,19 @@ def test_mixed_weight_dtype_on_direct_calls_matches_the_composite():
             lambda: torch.ops.aten._fused_rms_norm_backward(
                 randn(3, 4), randn(3, 4), [4], randn(3, 1), randn(5), [True, True]
             ),
-            "Expected weight to be of same shape",
+            "The expanded size of the tensor (4) must match the existing size (5)",
         ),
     ],
 )
 def test_invalid_calls_raise_runtime_error(call, message):
     with torchgraft.enabled(), pytest.raises(RuntimeError) as info:
         call()
+    if message.startswith(("The size of tensor", "The expanded size")) and not NESTED_MESSAGES:
+        # Raised by an op the graft calls; torch < 2.13 only logs its message to stderr.
+        message = "failed (torch logged the reason above)"
     assert message in str(info.value)
-    # The same call on stock PyTorch fails too (or, for the private op's unchecked composite,
-    # would silently compute something else: the graft is stricter there, like ATen's CUDA kernel).
+    # The same call on stock PyTorch fails too (stock CPU has no backward kernel at all); direct
+    # forward calls that stock's composite accepts are in test_reliability_direct_calls.py.
 
 
 def test_enable_disable_restore_stock_behaviour_exactly():

@@ -374,13 +374,14 @@ def test_copy_on_write_inputs_on_the_fallback_path():
 
 
 def test_no_kernel_below_gives_a_clear_error():
-    g, x = torch.randn(3, 5), torch.randn(3, 5)
-    rstd = torch.rand(3, 1) + 0.5
+    # An op stock PyTorch has no CPU kernel for (and torchgraft grafts none for: the native
+    # route keeps its CPU _fused_rms_norm_backward registered once enabled).
+    x, mask = torch.randn(3, 5), torch.rand(3, 5) > 0.5
     registry.register_op_override(
-        "test", "aten", "_fused_rms_norm_backward", "CPU", lambda *a: False, lambda *a: None
+        "test", "aten", "_masked_scale", "CPU", lambda *a: False, lambda *a: None
     )
     with pytest.raises(NotImplementedError, match="no torchgraft override at CPU took this call"):
-        torch.ops.aten._fused_rms_norm_backward(g, x, [5], rstd, None, [True, False])
+        torch.ops.aten._masked_scale(x, mask, 2.0)
 
 
 def test_clear_restores_the_dispatcher_exactly_and_counters_stop():

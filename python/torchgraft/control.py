@@ -74,42 +74,66 @@ def enable(routes: Iterable[str] | None = None) -> None:
             return
         if _enabled:
             return
-        if "native" in wanted:
-            _enable_native()
-        for route, package, default in _GRAFTS:
-            if route not in wanted:
-                continue
-            if routes is None and (
-                default == _NAMED or (default == _NO_NATIVE_CUDA and _native_covers_cuda())
-            ):
-                continue
-            package.register(route)
+        native_wanted = "native" in wanted and _native_allowed()
+        try:
+            # The Python routes first: registering them is the step that can fail on user input
+            # (a bad TORCHGRAFT_OVERRIDE_ORDER_FN); the native route's enable is all or nothing.
+            for route, package, default in _GRAFTS:
+                if route in wanted and (
+                    routes is not None or _installed_by_default(default, native_wanted)
+                ):
+                    package.register(route)
+            if native_wanted:
+                # Routers capture the kernel below them when installed: rebuild them on top.
+                with registry.suspend_routers():
+                    native.enable()
+        except BaseException:
+            _undo()
+            raise
         _enabled = True
 
 
-def _native_covers_cuda() -> bool:
-    return any(g.dispatch_key == "CUDA" and g.active for g in native.grafts())
-
-
-def _enable_native() -> None:
+def _native_allowed() -> bool:
     if _env_flag(DISABLE_NATIVE_ENV):
         log.info("native route skipped: %s is set", DISABLE_NATIVE_ENV)
-    elif not native.available():
+        return False
+    if not native.available():
         log.info("native route skipped: the extension torchgraft._native is not built")
-    else:
-        # Routers capture the kernel below them when installed: rebuild them on top.
-        with registry.suspend_routers():
-            native.enable()
+        return False
+    return True
+
+
+def _installed_by_default(default: str, native_wanted: bool) -> bool:
+    """Whether ``enable()`` without routes installs a Python-route package marked ``default``.
+
+    Only where a GPU is (their overrides sit at CUDA: on a machine without one their routers
+    would never run, yet cost memory), and for the Triton RMSNorm only where the native route has
+    no CUDA kernels.
+    """
+    if default == _NAMED:
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    if default == _NO_NATIVE_CUDA:
+        return not (native_wanted and native.cuda_devices() > 0)
+    return True
+
+
+def _undo() -> None:
+    """Remove whatever :func:`enable` installed (after a failed enable: whatever it got to)."""
+    for _route, package, _default in _GRAFTS:
+        package.deregister()
+    with registry.suspend_routers():
+        native.disable()
 
 
 def disable() -> None:
     """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
     global _enabled
     with _lock:
-        for _route, package, _default in _GRAFTS:
-            package.deregister()
-        with registry.suspend_routers():
-            native.disable()
+        _undo()
         _enabled = False
 
 

@@ -41,7 +41,11 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Remove the native kernels, restoring what was registered before (idempotent)."""
+    """Remove the native kernels, restoring what was registered before (idempotent).
+
+    The CPU backward stays registered once installed: graphs recorded while enabled call it
+    whenever their backward runs, and stock PyTorch has no CPU kernel for that op (see
+    docs/reliability.md)."""
     if available():
         from torchgraft import _native
 
@@ -86,6 +90,13 @@ def build_info() -> dict[str, object]:
     from torchgraft import _native
 
     return dict(_native.build_info())
+
+
+def cuda_devices() -> int:
+    """How many GPUs the native CUDA grafts can run on here (0 without CUDA kernels in this
+    build, without CUDA in torch or without a GPU)."""
+    devices = build_info().get("cuda_devices")
+    return devices if isinstance(devices, int) else 0
 
 
 def reset_stats() -> None:

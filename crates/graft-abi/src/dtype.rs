@@ -23,7 +23,8 @@ impl DType {
 
     /// The name c10 gives the type in messages ("Float", "BFloat16", "Long", ...).
     pub fn name(self) -> &'static str {
-        const NAMES: [&str; 16] = [
+        // c10::ScalarType, in code order (torch/headeronly/core/ScalarType.h).
+        const NAMES: [&str; 46] = [
             "Byte",
             "Char",
             "Short",
@@ -40,6 +41,36 @@ impl DType {
             "QUInt8",
             "QInt32",
             "BFloat16",
+            "QUInt4x2",
+            "QUInt2x4",
+            "Bits1x8",
+            "Bits2x4",
+            "Bits4x2",
+            "Bits8",
+            "Bits16",
+            "Float8_e5m2",
+            "Float8_e4m3fn",
+            "Float8_e5m2fnuz",
+            "Float8_e4m3fnuz",
+            "UInt16",
+            "UInt32",
+            "UInt64",
+            "UInt1",
+            "UInt2",
+            "UInt3",
+            "UInt4",
+            "UInt5",
+            "UInt6",
+            "UInt7",
+            "Int1",
+            "Int2",
+            "Int3",
+            "Int4",
+            "Int5",
+            "Int6",
+            "Int7",
+            "Float8_e8m0fnu",
+            "Float4_e2m1fn_x2",
         ];
         usize::try_from(self.0)
             .ok()

@@ -15,7 +15,8 @@ extern "C" {
 
 /* Registers the native grafts (idempotent). 0 on success, -1 on error (see torchgraft_last_error). */
 int torchgraft_enable(void);
-/* Removes them, restoring the kernels that were registered before (idempotent). */
+/* Removes them, restoring the kernels that were registered before (idempotent); the CPU
+   backward stays registered, as graphs recorded while enabled call it (docs/reliability.md). */
 void torchgraft_disable(void);
 /* 1 while enabled, else 0. */
 int torchgraft_is_enabled(void);

@@ -4,13 +4,13 @@
 //! the CPU key also switches CPU autograd from the composite to aten's derivative formula, which
 //! calls `_fused_rms_norm_backward`: both ops are grafted together.
 
-use graft_abi::{DType, Device, Element, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{dispatch, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
 use graft_kernels::{convert, rms_norm, Float};
 use half::{bf16, f16};
 
 use super::{
-    acc_dtype, check_backward, check_forward, contiguous, default_eps, in_backward_layout,
-    in_forward_layout, rstd_sizes, to_dtype, Geometry,
+    acc_dtype, check_backward_cpu, composite, contiguous, default_eps, in_backward_layout,
+    in_forward_layout, plan_forward_cpu, rstd_sizes, to_dtype, Geometry,
 };
 use crate::stats::Counters;
 use crate::threads::TorchPool;
@@ -20,18 +20,14 @@ pub static FORWARD: Counters = Counters::new();
 /// Calls of the backward graft.
 pub static BACKWARD: Counters = Counters::new();
 
-/// The accumulation types (f32, f64), with the conversions this module needs.
+/// The accumulation types (f32, f64).
 trait AccValue: Element + graft_kernels::Acc {
     fn of_f64(v: f64) -> Self;
-    fn of_f32(v: f32) -> Self;
 }
 
 impl AccValue for f32 {
     fn of_f64(v: f64) -> f32 {
         v as f32
-    }
-    fn of_f32(v: f32) -> f32 {
-        v
     }
 }
 
@@ -39,47 +35,31 @@ impl AccValue for f64 {
     fn of_f64(v: f64) -> f64 {
         v
     }
-    fn of_f32(v: f32) -> f64 {
-        f64::from(v)
-    }
 }
 
-/// A weight's values in the accumulation type of inputs of type `T`. The weight normally has
-/// `T`'s dtype (vectorized conversion); direct calls may pass any float dtype.
-fn weight_as_acc<T>(weight: &Tensor) -> Result<Vec<T::Acc>>
+/// A weight's values in the accumulation type of inputs of type `T`, spread over `cols`
+/// normalized elements. The weight normally has `T`'s dtype and their shape (vectorized
+/// conversion); calls made directly may pass any dtype (converted by ATen, like its own
+/// composite's type promotion would) and any shape that broadcasts (expanded).
+fn weight_as_acc<T>(weight: &Tensor, normalized_sizes: &[i64]) -> Result<Vec<T::Acc>>
 where
     T: Float + Element,
     T::Acc: AccValue,
 {
-    let w = contiguous(weight)?;
-    Ok(match w.dtype()? {
-        d if d == T::DTYPE => convert::to_acc_vec(w.as_slice::<T>()?),
-        DType::F32 => w
-            .as_slice::<f32>()?
-            .iter()
-            .map(|&v| T::Acc::of_f32(v))
-            .collect(),
-        DType::F64 => w
-            .as_slice::<f64>()?
-            .iter()
-            .map(|&v| T::Acc::of_f64(v))
-            .collect(),
-        DType::BF16 => w
-            .as_slice::<bf16>()?
-            .iter()
-            .map(|&v| T::Acc::of_f32(v.to_acc()))
-            .collect(),
-        DType::F16 => w
-            .as_slice::<f16>()?
-            .iter()
-            .map(|&v| T::Acc::of_f32(v.to_acc()))
-            .collect(),
-        other => {
-            return Err(graft_abi::Error::msg(format!(
-                "unexpected weight dtype {other}"
-            )))
-        }
-    })
+    let expanded;
+    let weight = if weight.sizes()? == normalized_sizes {
+        weight
+    } else {
+        let (out,): (Tensor,) =
+            dispatch::call(c"aten::expand", c"", (weight, normalized_sizes, false))?;
+        expanded = out;
+        &expanded
+    };
+    if weight.dtype()? == T::DTYPE {
+        return Ok(convert::to_acc_vec(contiguous(weight)?.as_slice::<T>()?));
+    }
+    let w = contiguous(&to_dtype(weight, T::Acc::DTYPE)?)?;
+    Ok(w.as_slice::<T::Acc>()?.to_vec())
 }
 
 /// aten::_fused_rms_norm at the CPU key.
@@ -92,7 +72,10 @@ impl Kernel for ForwardCpu {
     fn run((input, normalized_shape, weight, eps): Self::Args) -> Result<(Tensor, Tensor)> {
         FORWARD.call();
         let weight = Tensor::defined(weight)?;
-        let geometry = check_forward(&input, &normalized_shape, weight.as_ref())?;
+        let Some(geometry) = plan_forward_cpu(&input, &normalized_shape, weight.as_ref())? else {
+            FORWARD.fallback();
+            return composite::forward(&input, normalized_shape.len(), weight.as_ref(), eps);
+        };
         let call = ForwardCall {
             input: &input,
             normalized_shape: &normalized_shape,
@@ -106,7 +89,7 @@ impl Kernel for ForwardCpu {
             DType::BF16 => call.run::<bf16>(),
             _ => call.run::<f16>(),
         }?;
-        in_forward_layout((y, rstd), &input, &normalized_shape, weight.as_ref(), eps)
+        in_forward_layout((y, rstd), &input, normalized_shape.len(), weight.as_ref())
     }
 }
 
@@ -127,7 +110,10 @@ impl ForwardCall<'_> {
     {
         let dtype = T::DTYPE;
         let x = contiguous(self.input)?;
-        let weight = self.weight.map(weight_as_acc::<T>).transpose()?;
+        let weight = self
+            .weight
+            .map(|w| weight_as_acc::<T>(w, self.normalized_shape))
+            .transpose()?;
         let eps = T::Acc::of_f64(self.eps.unwrap_or_else(|| default_eps(dtype)));
         let sizes = self.input.sizes()?;
         let mut y = NewTensor::empty(sizes, dtype, Device::CPU)?;
@@ -163,19 +149,15 @@ impl Kernel for BackwardCpu {
     ) -> Result<(Tensor, Tensor)> {
         BACKWARD.call();
         let weight = Tensor::defined(weight)?;
-        let geometry = check_backward(
-            &grad_out,
-            &input,
-            &normalized_shape,
-            &rstd,
-            weight.as_ref(),
-            &output_mask,
-        )?;
+        let (geometry, normalized_dims) =
+            check_backward_cpu(&grad_out, &input, &normalized_shape, &rstd, &output_mask)?;
+        let sizes = input.sizes()?;
         let call = BackwardCall {
             grad_out: &grad_out,
             input: &input,
             rstd: &rstd,
             weight: weight.as_ref(),
+            normalized_sizes: &sizes[sizes.len() - normalized_dims..],
             want_dx: output_mask[0],
             want_dw: output_mask[1] && weight.is_some(),
             geometry,
@@ -190,7 +172,7 @@ impl Kernel for BackwardCpu {
             (dx, dw),
             &grad_out,
             &input,
-            &normalized_shape,
+            normalized_dims,
             &rstd,
             weight.as_ref(),
         )
@@ -202,6 +184,8 @@ struct BackwardCall<'a> {
     input: &'a Tensor,
     rstd: &'a Tensor,
     weight: Option<&'a Tensor>,
+    /// The trailing sizes that are normalized (what the weight broadcasts to, dw's shape).
+    normalized_sizes: &'a [i64],
     want_dx: bool,
     want_dw: bool,
     geometry: Geometry,
@@ -219,7 +203,10 @@ impl BackwardCall<'_> {
         // Direct calls may pass other dtypes than autograd would; convert them (rare).
         let dy = contiguous(&to_dtype(self.grad_out, dtype)?)?;
         let rstd = contiguous(&to_dtype(self.rstd, acc_dtype(dtype))?)?;
-        let weight = self.weight.map(weight_as_acc::<T>).transpose()?;
+        let weight = self
+            .weight
+            .map(|w| weight_as_acc::<T>(w, self.normalized_sizes))
+            .transpose()?;
         let sizes = self.input.sizes()?;
         let mut dx = self
             .want_dx
@@ -239,15 +226,29 @@ impl BackwardCall<'_> {
             &TorchPool,
         );
         let dw = match self.weight.filter(|_| self.want_dw) {
-            Some(weight) => {
-                // In the input's dtype, like ATen's meta function (autograd casts it to the
-                // weight's dtype when the two differ).
-                let mut dw = NewTensor::empty(weight.sizes()?, dtype, Device::CPU)?;
-                convert::from_acc::<T>(&dw_acc, dw.as_mut_slice()?);
-                Some(dw.finish())
-            }
+            Some(weight) => Some(self.weight_grad::<T>(&dw_acc, weight.dtype()?)?),
             None => None,
         };
         Ok((dx.map(NewTensor::finish), dw))
+    }
+
+    /// dw from its accumulated values: in the input's dtype when the weight has it (as ATen's
+    /// meta function says), else in the weight's own float dtype, so that a float32 weight under
+    /// a bfloat16 input gets a float32-accurate gradient as stock's composite gives it (autograd
+    /// casts to the weight's dtype either way). Shaped like the normalized dims.
+    fn weight_grad<T>(&self, dw_acc: &[T::Acc], weight_dtype: DType) -> Result<Tensor>
+    where
+        T: Float + Element,
+        T::Acc: AccValue,
+    {
+        let sizes = self.normalized_sizes;
+        if weight_dtype == T::DTYPE || !weight_dtype.is_float() {
+            let mut dw = NewTensor::empty(sizes, T::DTYPE, Device::CPU)?;
+            convert::from_acc::<T>(dw_acc, dw.as_mut_slice()?);
+            return Ok(dw.finish());
+        }
+        let mut dw = NewTensor::empty(sizes, T::Acc::DTYPE, Device::CPU)?;
+        dw.as_mut_slice::<T::Acc>()?.copy_from_slice(dw_acc);
+        to_dtype(&dw.finish(), weight_dtype)
     }
 }

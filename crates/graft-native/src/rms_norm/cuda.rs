@@ -107,7 +107,7 @@ impl Kernel for ForwardCuda {
             })
             .map_err(cuda_error)?;
         }
-        in_forward_layout((y, rstd), &input, &normalized_shape, weight.as_ref(), eps)
+        in_forward_layout((y, rstd), &input, normalized_shape.len(), weight.as_ref())
     }
 }
 
@@ -149,8 +149,8 @@ impl Kernel for BackwardCuda {
             .then(|| NewTensor::empty(sizes, dtype, device))
             .transpose()?;
         let dx = dx.map(NewTensor::finish);
-        // dw in the input's dtype like ATen's meta function; the kernel writes the weight's
-        // dtype as it passed it (the accumulation dtype for a converted weight).
+        // The kernel writes dw in the dtype it reads the weight in (the accumulation dtype for a
+        // converted weight).
         let dw_sizes = weight
             .as_ref()
             .map(|w| w.sizes().map(<[i64]>::to_vec))
@@ -195,14 +195,17 @@ impl Kernel for BackwardCuda {
             })
             .map_err(cuda_error)?;
         }
-        if let Some(d) = dw.take() {
-            dw = Some(to_dtype(&d, dtype)?);
+        if let (Some(d), Some(w)) = (dw.take(), weight.as_ref()) {
+            // In the input's dtype when the weight has it (ATen's meta function), else in the
+            // weight's own: a float32 weight under a bfloat16 input keeps a float32-accurate
+            // gradient, as stock's composite gives it.
+            dw = Some(to_dtype(&d, w.dtype()?)?);
         }
         in_backward_layout(
             (dx, dw),
             &grad_out,
             &input,
-            &normalized_shape,
+            normalized_shape.len(),
             &rstd,
             weight.as_ref(),
         )

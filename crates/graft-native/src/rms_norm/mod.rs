@@ -1,17 +1,18 @@
 //! RMSNorm grafts: `aten::_fused_rms_norm` and `aten::_fused_rms_norm_backward`.
 //!
 //! What every device shares lives here: argument checks with ATen's messages, the shapes, dtypes
-//! and strides of the outputs (those of ATen's meta function, which torch.compile relies on),
-//! and eps defaults.
+//! and strides of the outputs (those of ATen's meta function, which torch.compile relies on,
+//! computed in Rust by [`crate::layout`]), and eps defaults.
 
+mod composite;
 pub mod cpu;
 pub mod cuda;
 
-use std::sync::LazyLock;
+use graft_abi::{contiguous_strides, dispatch, ensure, DType, Result, Tensor};
 
-use graft_abi::{contiguous_strides, dispatch, ensure, DType, Device, Result, Tensor};
+use crate::layout::{self, Shape};
 
-use crate::layout::{LayoutCache, Signature};
+pub use crate::layout::rstd_sizes;
 
 /// An RMSNorm call seen as `rows` rows of `cols` normalized elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,11 +79,107 @@ pub fn check_backward(
 }
 
 fn check_dtype(dtype: DType) -> Result<()> {
-    ensure!(
-        dtype.is_float(),
-        "\"rms_norm\" not implemented for '{dtype}'"
-    );
+    ensure!(dtype.is_float(), "{}", not_implemented(dtype));
     Ok(())
+}
+
+/// ATen's message for a dtype its dispatch macro does not cover (a NotImplementedError there).
+fn not_implemented(dtype: DType) -> String {
+    format!("\"rms_norm\" not implemented for '{dtype}'")
+}
+
+/// How the CPU forward computes a call: `Some(geometry)` for the fused kernel, `None` for
+/// ATen's composite replayed op by op ([`composite`]).
+///
+/// Stock PyTorch runs that composite for every CPU call, so it decides what is valid: any float
+/// or complex input, normalized_shape read only for its length, any weight that broadcasts. The
+/// fused kernel takes the calls autograd and `F.rms_norm` make (a real float input whose trailing
+/// dims are normalized_shape, a float weight of that shape); everything else gets the composite.
+pub fn plan_forward_cpu(
+    input: &Tensor,
+    normalized_shape: &[i64],
+    weight: Option<&Tensor>,
+) -> Result<Option<Geometry>> {
+    let dtype = input.dtype()?;
+    ensure!(
+        dtype.is_float() || composite::computes(dtype),
+        "{}",
+        not_implemented(dtype)
+    );
+    let sizes = input.sizes()?;
+    let trailing = sizes.len() >= normalized_shape.len()
+        && sizes[sizes.len() - normalized_shape.len()..] == *normalized_shape;
+    let weight_fits = match weight {
+        None => true,
+        Some(w) => {
+            w.dtype()?.is_float()
+                && w.sizes()? == normalized_shape
+                && w.device()? == input.device()?
+        }
+    };
+    if dtype.is_float() && !normalized_shape.is_empty() && trailing && weight_fits {
+        check_shapes(sizes, normalized_shape, weight).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// The number of trailing dims a CPU call normalizes, as ATen's composite reads normalized_shape:
+/// by its length only, and an empty one (or a 0-dim input) means every dim.
+pub fn normalized_dims_cpu(input_sizes: &[i64], normalized_shape: &[i64]) -> Result<usize> {
+    let (dim, len) = (input_sizes.len(), normalized_shape.len());
+    if len == 0 || dim == 0 {
+        return Ok(dim);
+    }
+    ensure!(
+        len <= dim,
+        "normalized_shape {} has more dims than the input of size {}",
+        shape(normalized_shape),
+        shape(input_sizes)
+    );
+    Ok(len)
+}
+
+/// Checks a CPU backward call (what autograd passes for any forward the CPU graft accepted) and
+/// returns its geometry: rows and columns of the normalized trailing dims.
+pub fn check_backward_cpu(
+    grad_out: &Tensor,
+    input: &Tensor,
+    normalized_shape: &[i64],
+    rstd: &Tensor,
+    output_mask: &[bool],
+) -> Result<(Geometry, usize)> {
+    ensure!(
+        output_mask.len() == 2,
+        "output_mask must hold 2 values (grad_input, grad_weight), got {}",
+        output_mask.len()
+    );
+    check_dtype(input.dtype()?)?;
+    check_same_device(input, grad_out)?;
+    check_same_device(input, rstd)?;
+    check_dtype(grad_out.dtype()?)?;
+    check_dtype(rstd.dtype()?)?;
+    let sizes = input.sizes()?;
+    ensure!(
+        grad_out.sizes()? == sizes,
+        "grad_out of size {} does not match input of size {}",
+        shape(grad_out.sizes()?),
+        shape(sizes)
+    );
+    let dims = normalized_dims_cpu(sizes, normalized_shape)?;
+    let product = |sizes: &[i64]| sizes.iter().map(|&s| s as usize).product::<usize>();
+    let batch = sizes.len() - dims;
+    let geometry = Geometry {
+        rows: product(&sizes[..batch]),
+        cols: product(&sizes[batch..]),
+    };
+    ensure!(
+        rstd.numel()? == geometry.rows,
+        "rstd has {} elements, expected one per normalized row ({})",
+        rstd.numel()?,
+        geometry.rows
+    );
+    Ok((geometry, dims))
 }
 
 fn check_same_device(a: &Tensor, b: &Tensor) -> Result<()> {
@@ -151,16 +248,6 @@ pub fn default_eps(dtype: DType) -> f64 {
     }
 }
 
-/// rstd's sizes: the batch dims, then a 1 for each normalized dim.
-pub fn rstd_sizes(input_sizes: &[i64], normalized_dims: usize) -> Vec<i64> {
-    let batch = input_sizes.len() - normalized_dims;
-    input_sizes[..batch]
-        .iter()
-        .copied()
-        .chain(std::iter::repeat_n(1, normalized_dims))
-        .collect()
-}
-
 /// A contiguous tensor with `t`'s values: `t` itself when it already is one.
 pub fn contiguous(t: &Tensor) -> Result<Tensor> {
     if t.is_contiguous()? {
@@ -196,27 +283,56 @@ fn with_strides(t: Tensor, strides: &[i64]) -> Result<Tensor> {
     Ok(out)
 }
 
-fn meta_like(t: &Tensor) -> Result<Tensor> {
-    Tensor::empty_strided(t.sizes()?, t.strides()?, t.dtype()?, Device::META)
+fn shape_of(t: &Tensor) -> Result<Shape<'_>> {
+    Ok(Shape {
+        sizes: t.sizes()?,
+        strides: t.strides()?,
+    })
 }
 
-static LAYOUTS: LazyLock<LayoutCache> = LazyLock::new(LayoutCache::new);
+/// Whether `t` has torch's contiguous strides and no dim of size 0 or 1. Its RMSNorm outputs
+/// are then contiguous: its strides strictly decrease, so they decide every comparison of the
+/// meta functions' stride sort (a size-1 dim would tie with its neighbour and let the weight or
+/// grad_out decide). The common case, which needs no layout replay.
+fn is_plainly_contiguous(t: &Tensor) -> Result<bool> {
+    let (sizes, strides) = (t.sizes()?, t.strides()?);
+    let mut expected = 1;
+    for (&size, &stride) in sizes.iter().zip(strides).rev() {
+        if stride != expected || size < 2 {
+            return Ok(false);
+        }
+        expected *= size;
+    }
+    Ok(true)
+}
 
-/// The forward's contiguous outputs (y, rstd) in the layout ATen's meta function gives them.
+/// The forward's contiguous outputs (y, rstd) in the layout ATen's meta function gives them,
+/// for a call normalizing the trailing `normalized_dims` dims with a weight of their shape.
 pub fn in_forward_layout(
     (y, rstd): (Tensor, Tensor),
     input: &Tensor,
-    normalized_shape: &[i64],
+    normalized_dims: usize,
     weight: Option<&Tensor>,
-    eps: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
-    match forward_strides(input, normalized_shape, weight, eps)? {
-        None => Ok((y, rstd)),
-        Some((y_strides, rstd_strides)) => Ok((
-            with_strides(y, &y_strides)?,
-            with_strides(rstd, &rstd_strides)?,
-        )),
+    if is_plainly_contiguous(input)? {
+        return Ok((y, rstd));
     }
+    // Each tensor with whether it already has the dtype the meta function computes in.
+    let opmath = acc_dtype(input.dtype()?);
+    let weight = match weight {
+        Some(w) => Some((shape_of(w)?, w.dtype()? == opmath)),
+        None => None,
+    };
+    let (y_strides, rstd_strides) = layout::forward_strides(
+        shape_of(input)?,
+        normalized_dims,
+        weight,
+        input.dtype()? == opmath,
+    );
+    Ok((
+        with_strides(y, &y_strides)?,
+        with_strides(rstd, &rstd_strides)?,
+    ))
 }
 
 /// The backward's outputs (dx contiguous) as ATen returns them: dx in the layout ATen's meta
@@ -225,7 +341,7 @@ pub fn in_backward_layout(
     (dx, dw): (Option<Tensor>, Option<Tensor>),
     grad_out: &Tensor,
     input: &Tensor,
-    normalized_shape: &[i64],
+    normalized_dims: usize,
     rstd: &Tensor,
     weight: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
@@ -233,84 +349,21 @@ pub fn in_backward_layout(
     let Some(dx) = dx else {
         return Ok((Tensor::undefined()?, dw));
     };
-    let dx = match backward_input_strides(grad_out, input, normalized_shape, rstd, weight)? {
-        None => dx,
-        Some(strides) => with_strides(dx, &strides)?,
-    };
-    Ok((dx, dw))
-}
-
-/// Strides of the forward's outputs (y, rstd) as ATen's meta function gives them, or None when
-/// they are contiguous (always so for a contiguous input).
-fn forward_strides(
-    input: &Tensor,
-    normalized_shape: &[i64],
-    weight: Option<&Tensor>,
-    eps: Option<f64>,
-) -> Result<Option<(Vec<i64>, Vec<i64>)>> {
-    if input.is_contiguous()? {
-        return Ok(None);
+    if is_plainly_contiguous(input)? && is_plainly_contiguous(grad_out)? {
+        return Ok((dx, dw));
     }
-    let signature = Signature::new(0)
-        .tensor(Some(input))?
-        .tensor(weight)?
-        .ints(normalized_shape);
-    let ask_meta = || -> Result<Vec<Vec<i64>>> {
-        let weight = weight.map(meta_like).transpose()?;
-        let (y, rstd): (Tensor, Tensor) = dispatch::call(
-            c"aten::_fused_rms_norm",
-            c"",
-            (meta_like(input)?, normalized_shape, weight, eps),
-        )?;
-        Ok(vec![y.strides()?.to_vec(), rstd.strides()?.to_vec()])
+    let opmath = acc_dtype(input.dtype()?);
+    let weight = match weight {
+        Some(w) => Some((shape_of(w)?, w.dtype()? == opmath)),
+        None => None,
     };
-    let sizes = input.sizes()?;
-    let contiguous = || {
-        vec![
-            contiguous_strides(sizes),
-            contiguous_strides(&rstd_sizes(sizes, normalized_shape.len())),
-        ]
-    };
-    let mut strides = LAYOUTS.strides(signature, ask_meta, contiguous);
-    let rstd = strides.pop().unwrap_or_default();
-    let y = strides.pop().unwrap_or_default();
-    Ok(Some((y, rstd)))
-}
-
-/// Strides of the backward's grad_input as ATen's meta function gives them, or None when they
-/// are contiguous (always so when grad_out and input are).
-fn backward_input_strides(
-    grad_out: &Tensor,
-    input: &Tensor,
-    normalized_shape: &[i64],
-    rstd: &Tensor,
-    weight: Option<&Tensor>,
-) -> Result<Option<Vec<i64>>> {
-    if input.is_contiguous()? && grad_out.is_contiguous()? {
-        return Ok(None);
-    }
-    let signature = Signature::new(1)
-        .tensor(Some(grad_out))?
-        .tensor(Some(input))?
-        .tensor(Some(rstd))?
-        .tensor(weight)?
-        .ints(normalized_shape);
-    let ask_meta = || -> Result<Vec<Vec<i64>>> {
-        let weight = weight.map(meta_like).transpose()?;
-        let (dx, _dw): (Tensor, Tensor) = dispatch::call(
-            c"aten::_fused_rms_norm_backward",
-            c"",
-            (
-                meta_like(grad_out)?,
-                meta_like(input)?,
-                normalized_shape,
-                meta_like(rstd)?,
-                weight,
-                &[true, false][..],
-            ),
-        )?;
-        Ok(vec![dx.strides()?.to_vec()])
-    };
-    let contiguous = || vec![contiguous_strides(input.sizes().unwrap_or_default())];
-    Ok(LAYOUTS.strides(signature, ask_meta, contiguous).pop())
+    let strides = layout::backward_input_strides(
+        shape_of(grad_out)?,
+        shape_of(input)?,
+        normalized_dims,
+        shape_of(rstd)?,
+        weight,
+        input.dtype()? == opmath,
+    );
+    Ok((with_strides(dx, &strides)?, dw))
 }
