@@ -160,9 +160,9 @@ def stats() -> dict[str, dict[str, int]]:
     """Per-graft counters: ``{"native/aten::_fused_rms_norm/CPU": {"calls": 3, "fallbacks": 0}}``.
 
     Native grafts: ``calls`` counts calls that reached the kernel, ``fallbacks`` those it computed
-    by a slower general path. torchgraft's own operators' kernels (``native/torchgraft::swiglu/CPU``)
-    count the same way. Python-route overrides (keys ``"<dsl>/<op>/<key>"``): ``calls``
-    counts impl runs, ``fallbacks`` calls passed on to the kernel below (cond false, or the impl
+    by a slower general path. The kernels of torchgraft's own operators
+    (``native/torchgraft::swiglu/CPU``) count the same way. Python-route overrides (keys
+    ``"<dsl>/<op>/<key>"``): ``calls`` counts impl runs, ``fallbacks`` calls passed on to the kernel below (cond false, or the impl
     called the op again).
     """
     native_stats = {
