@@ -162,8 +162,8 @@ def stats() -> dict[str, dict[str, int]]:
     Native grafts: ``calls`` counts calls that reached the kernel, ``fallbacks`` those it computed
     by a slower general path. The kernels of torchgraft's own operators
     (``native/torchgraft::swiglu/CPU``) count the same way. Python-route overrides (keys
-    ``"<dsl>/<op>/<key>"``): ``calls`` counts impl runs, ``fallbacks`` calls passed on to the kernel below (cond false, or the impl
-    called the op again).
+    ``"<dsl>/<op>/<key>"``): ``calls`` counts impl runs, ``fallbacks`` calls passed on to the
+    kernel below (cond false, or the impl called the op again).
     """
     native_stats = {
         f"native/{g.op}/{g.dispatch_key}": {"calls": g.calls, "fallbacks": g.fallbacks}
