@@ -28,12 +28,14 @@ mod kernels;
 mod launch;
 mod params;
 mod rms_norm;
+mod softmax;
 pub mod tools;
 
 pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
 pub use config::{DeviceLimits, KernelAttrs};
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
+pub use softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
 pub use rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,
     rms_norm_backward_workspace_bytes, rms_norm_backward_workspace_bytes_for, rms_norm_forward,

@@ -14,6 +14,7 @@ pub mod adam;
 mod blocks;
 pub mod convert;
 mod dispatch;
+pub mod exp;
 mod float;
 pub mod glu;
 mod isa;
@@ -21,6 +22,7 @@ mod parallel;
 pub mod rms_norm;
 mod rows;
 mod simd;
+pub mod softmax;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};

@@ -8,6 +8,7 @@ pub mod adam;
 mod layout;
 pub mod ops;
 pub mod rms_norm;
+pub mod softmax;
 mod stats;
 mod threads;
 
@@ -50,7 +51,7 @@ enum Holder {
     Cuda,
 }
 
-const GRAFTS: [Graft; 12] = [
+const GRAFTS: [Graft; 20] = [
     Graft {
         op: "aten::_fused_rms_norm",
         dispatch_key: "CPU",
@@ -123,6 +124,54 @@ const GRAFTS: [Graft; 12] = [
         holder: Holder::Cuda,
         counters: &adam::cuda::ADAM_TENSOR_LR,
     },
+    Graft {
+        op: "aten::_softmax",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::SOFTMAX,
+    },
+    Graft {
+        op: "aten::_log_softmax",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::LOG_SOFTMAX,
+    },
+    Graft {
+        op: "aten::_softmax_backward_data",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::_log_softmax_backward_data",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::LOG_SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::_softmax",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::SOFTMAX,
+    },
+    Graft {
+        op: "aten::_log_softmax",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::LOG_SOFTMAX,
+    },
+    Graft {
+        op: "aten::_softmax_backward_data",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::_log_softmax_backward_data",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::LOG_SOFTMAX_BACKWARD,
+    },
 ];
 
 /// The registrations that [`enable`] makes and [`disable`] removes.
@@ -164,11 +213,13 @@ pub fn enable() -> Result<()> {
     let mut cpu = Library::implementations(c"aten", c"CPU")?;
     cpu.register::<rms_norm::cpu::ForwardCpu>(c"_fused_rms_norm")?;
     adam::register::<adam::cpu::Cpu>(&mut cpu)?;
+    softmax::cpu::register(&mut cpu)?;
     let cuda = if cuda_status().is_ok() {
         let mut cuda = Library::implementations(c"aten", c"CUDA")?;
         cuda.register::<rms_norm::cuda::ForwardCuda>(c"_fused_rms_norm")?;
         cuda.register::<rms_norm::cuda::BackwardCuda>(c"_fused_rms_norm_backward")?;
         adam::register::<adam::cuda::Cuda>(&mut cuda)?;
+        softmax::cuda::register(&mut cuda)?;
         Some(cuda)
     } else {
         None

@@ -578,3 +578,54 @@ impl Avx2 {
         unsafe { run(c, chunk) }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Softmax / log-softmax (crate::softmax): the tasks compiled for each token, so that their loops
+// (exponentials included, crate::exp) vectorize.
+
+macro_rules! softmax_entry_points {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// [`crate::softmax::run_forward`] compiled for this token's features.
+            pub(crate) fn softmax_forward<T: crate::softmax::SoftmaxFloat>(
+                self,
+                kind: crate::softmax::Kind,
+                cv: crate::softmax::Convert<T>,
+                task: crate::softmax::ForwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::softmax::SoftmaxFloat>(
+                    kind: crate::softmax::Kind,
+                    cv: crate::softmax::Convert<T>,
+                    task: crate::softmax::ForwardTask<'_, T>,
+                ) {
+                    crate::softmax::run_forward(kind, cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(kind, cv, task) }
+            }
+
+            /// [`crate::softmax::run_backward`] compiled for this token's features.
+            pub(crate) fn softmax_backward<T: crate::softmax::SoftmaxFloat>(
+                self,
+                kind: crate::softmax::Kind,
+                cv: crate::softmax::Convert<T>,
+                task: crate::softmax::BackwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::softmax::SoftmaxFloat>(
+                    kind: crate::softmax::Kind,
+                    cv: crate::softmax::Convert<T>,
+                    task: crate::softmax::BackwardTask<'_, T>,
+                ) {
+                    crate::softmax::run_backward(kind, cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(kind, cv, task) }
+            }
+        }
+    };
+}
+
+softmax_entry_points!(Avx2, "avx2,fma,f16c");
+softmax_entry_points!(Avx512, "avx512f,avx2,fma,f16c");
