@@ -3,7 +3,9 @@
 //!
 //! The tensor is seen as `outer x dim x inner` (row-major): the reduction runs over `dim`, whose
 //! elements lie `inner` apart. Arithmetic happens in the accumulation type (`f32`, `f64` for
-//! `f64`); 16-bit values are widened a block at a time with the vectorized conversions.
+//! `f64`). `f32`, `f64` and `bf16` values are read and written directly (a bf16 converts with
+//! a shift and a rounding that vectorize); `f16` values are widened a panel at a time (several
+//! short rows, one long row, or a task's columns) with F16C, and the results narrowed back.
 //!
 //! - Forward, `inner == 1` (rows): one pass reads the row once, keeping a running maximum per
 //!   block and rescaling the running sum when it grows (so each element costs one `exp`); a
@@ -22,6 +24,7 @@ use crate::dispatch::kernels;
 use crate::exp::VecExp;
 use crate::float::{Acc, Float};
 use crate::parallel::Parallel;
+use half::{bf16, f16};
 
 /// Softmax or log-softmax.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -49,23 +52,142 @@ impl Shape {
     }
 }
 
-/// Element types the kernels accept.
-pub trait SoftmaxFloat: Float<Acc: VecExp> {}
-impl<T: Float<Acc: VecExp>> SoftmaxFloat for T {}
+/// Accumulation types with a per-thread panel buffer, reused from call to call (so that 16-bit
+/// tensors cost no allocation, and no page faults, per task).
+pub trait PanelBuffer: Acc {
+    /// This thread's buffer, taken out (empty the first time, or while already taken).
+    fn take() -> Vec<Self>;
+    /// Gives the buffer back for the next task on this thread.
+    fn put(buf: Vec<Self>);
+}
 
-/// Elements widened at a time (stack buffers of the accumulation type).
+macro_rules! panel_buffer {
+    ($t:ty, $name:ident) => {
+        thread_local! {
+            static $name: std::cell::Cell<Vec<$t>> = const { std::cell::Cell::new(Vec::new()) };
+        }
+        impl PanelBuffer for $t {
+            fn take() -> Vec<$t> {
+                $name.with(std::cell::Cell::take)
+            }
+            fn put(buf: Vec<$t>) {
+                $name.with(|cell| cell.set(buf));
+            }
+        }
+    };
+}
+
+panel_buffer!(f32, PANEL_F32);
+panel_buffer!(f64, PANEL_F64);
+
+/// `n` values of each of three panels, from this thread's buffer (give it back with
+/// [`PanelBuffer::put`]).
+fn panels<A: PanelBuffer>(n: usize) -> Vec<A> {
+    let mut buf = A::take();
+    if buf.len() < 3 * n {
+        buf.resize(3 * n, A::ZERO);
+    }
+    buf
+}
+
+/// Values the kernels read and write directly, converted to and from the accumulation type
+/// `A` one by one (in ways that vectorize).
+pub trait Elem<A>: Copy {
+    /// The value in `A` (exact).
+    fn get(self) -> A;
+    /// `v` rounded to `Self` (as [`Float::from_acc`]).
+    fn set(v: A) -> Self;
+}
+
+macro_rules! identity_elem {
+    ($t:ty) => {
+        impl Elem<$t> for $t {
+            #[inline(always)]
+            fn get(self) -> $t {
+                self
+            }
+            #[inline(always)]
+            fn set(v: $t) -> $t {
+                v
+            }
+        }
+    };
+}
+
+identity_elem!(f32);
+identity_elem!(f64);
+
+impl Elem<f32> for bf16 {
+    #[inline(always)]
+    fn get(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    /// Round to nearest even; a NaN keeps its sign and leading payload and becomes quiet.
+    #[inline(always)]
+    fn set(v: f32) -> bf16 {
+        let u = v.to_bits();
+        let rounded = u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16;
+        let nan = (u & 0x7fff_ffff) > 0x7f80_0000;
+        bf16::from_bits(if nan { (u >> 16) | 0x40 } else { rounded } as u16)
+    }
+}
+
+impl Elem<f32> for f16 {
+    /// Scalar conversion (correct; the kernels never use it in a loop: f16 goes through panels).
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn set(v: f32) -> f16 {
+        f16::from_f32(v)
+    }
+}
+
+/// The accumulation types, with what the kernels need of them.
+pub trait AccType: VecExp + PanelBuffer + Elem<Self> {}
+impl<A: VecExp + PanelBuffer + Elem<A>> AccType for A {}
+
+/// Element types the kernels accept.
+pub trait SoftmaxFloat: Float<Acc: AccType> + Elem<Self::Acc> {
+    /// Whether the kernels go through accumulation-type panels (f16, whose conversions only
+    /// vectorize as whole slices) instead of reading and writing the values directly.
+    const PANELS: bool;
+}
+
+impl SoftmaxFloat for f32 {
+    const PANELS: bool = false;
+}
+impl SoftmaxFloat for f64 {
+    const PANELS: bool = false;
+}
+impl SoftmaxFloat for bf16 {
+    const PANELS: bool = false;
+}
+impl SoftmaxFloat for f16 {
+    const PANELS: bool = true;
+}
+
+/// Elements of a row reduced at a time (blocks of the running maximum).
 const BLOCK: usize = 256;
 /// Columns computed together when `inner > 1`.
 pub const TILE: usize = 64;
-/// Work per parallel task, in elements (rows and tiles are never split).
+/// Work per parallel task, in elements (rows are never split).
 const TASK_ELEMS: usize = 1 << 15;
+/// Elements of 16-bit rows widened at a time (whole rows: one row when longer).
+const PANEL: usize = 1 << 14;
 
 /// The conversions between `T` and its accumulation type, looked up once per call.
-#[derive(Clone, Copy)]
-pub(crate) struct Convert<T: Float> {
+pub struct Convert<T: Float> {
     widen: fn(&[T], &mut [T::Acc]),
     narrow: fn(&[T::Acc], &mut [T]),
 }
+
+impl<T: Float> Clone for Convert<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: Float> Copy for Convert<T> {}
 
 impl<T: Float> Convert<T> {
     fn new() -> Self {
@@ -85,8 +207,8 @@ pub(crate) enum ForwardTask<'a, T: Float> {
         y: &'a mut [T],
         dim: usize,
     },
-    /// A tile of columns: `x` is the whole `dim x inner` slab of one outer index, `y` the
-    /// tile's `dim` segments, `first` the tile's first column.
+    /// A range of columns: `x` is the whole `dim x inner` slab of one outer index, `y` the
+    /// range's `dim` segments, `first` its first column.
     Columns {
         x: &'a [T],
         y: Vec<&'a mut [T]>,
@@ -104,7 +226,7 @@ pub(crate) enum BackwardTask<'a, T: Float> {
         dx: &'a mut [T],
         dim: usize,
     },
-    /// A tile of columns, as in [`ForwardTask::Columns`].
+    /// A range of columns, as in [`ForwardTask::Columns`].
     Columns {
         dy: &'a [T],
         y: &'a [T],
@@ -140,16 +262,15 @@ pub fn forward<T: SoftmaxFloat>(
             dispatch_forward(kind, cv, ForwardTask::Rows { x, y, dim });
         });
     } else {
-        let (tiles, width) = column_tiles(shape);
-        blocks::for_each(par, tiles_of(y, shape, width), shape.dim * width, |i, y| {
-            let (o, t) = (i / tiles, i % tiles);
+        let (ranges, width) = column_ranges(shape);
+        blocks::for_each(par, ranges_of(y, shape, width), shape.dim * width, |i, y| {
+            let (o, r) = (i / ranges, i % ranges);
             let slab = shape.dim * shape.inner;
-            let x = &x[o * slab..(o + 1) * slab];
             let task = ForwardTask::Columns {
-                x,
+                x: &x[o * slab..(o + 1) * slab],
                 y,
                 inner: shape.inner,
-                first: t * width,
+                first: r * width,
             };
             dispatch_forward(kind, cv, task);
         });
@@ -188,16 +309,16 @@ pub fn backward<T: SoftmaxFloat>(
             dispatch_backward(kind, cv, BackwardTask::Rows { dy, y, dx, dim });
         });
     } else {
-        let (tiles, width) = column_tiles(shape);
-        blocks::for_each(par, tiles_of(dx, shape, width), shape.dim * width, |i, dx| {
-            let (o, t) = (i / tiles, i % tiles);
+        let (ranges, width) = column_ranges(shape);
+        blocks::for_each(par, ranges_of(dx, shape, width), shape.dim * width, |i, dx| {
+            let (o, r) = (i / ranges, i % ranges);
             let slab = shape.dim * shape.inner;
             let task = BackwardTask::Columns {
                 dy: &dy[o * slab..(o + 1) * slab],
                 y: &y[o * slab..(o + 1) * slab],
                 dx,
                 inner: shape.inner,
-                first: t * width,
+                first: r * width,
             };
             dispatch_backward(kind, cv, task);
         });
@@ -215,25 +336,24 @@ fn check_len(func: &str, shape: Shape, lens: &[(&str, usize)]) -> usize {
     n
 }
 
-/// (tiles per outer index, columns per tile): tiles of whole [`TILE`]s, wide enough that a
+/// (column ranges per outer index, columns per range): whole [`TILE`]s, wide enough that a
 /// task gets about [`TASK_ELEMS`] elements.
-fn column_tiles(shape: Shape) -> (usize, usize) {
+fn column_ranges(shape: Shape) -> (usize, usize) {
     let want = (TASK_ELEMS / shape.dim.max(1)).max(TILE);
-    let width = want.div_ceil(TILE) * TILE;
-    let width = width.min(shape.inner);
+    let width = (want.div_ceil(TILE) * TILE).min(shape.inner);
     (shape.inner.div_ceil(width), width)
 }
 
-/// `out` cut into the `dim` segments of each (outer index, tile), in (outer, tile) order.
-fn tiles_of<T>(out: &mut [T], shape: Shape, width: usize) -> Vec<Vec<&mut [T]>> {
-    let tiles = shape.inner.div_ceil(width);
-    let mut groups: Vec<Vec<&mut [T]>> = (0..shape.outer * tiles)
+/// `out` cut into the `dim` segments of each (outer index, column range), in that order.
+fn ranges_of<T>(out: &mut [T], shape: Shape, width: usize) -> Vec<Vec<&mut [T]>> {
+    let ranges = shape.inner.div_ceil(width);
+    let mut groups: Vec<Vec<&mut [T]>> = (0..shape.outer * ranges)
         .map(|_| Vec::with_capacity(shape.dim))
         .collect();
     for (r, row) in out.chunks_mut(shape.inner).enumerate() {
         let o = r / shape.dim;
         for (t, seg) in row.chunks_mut(width).enumerate() {
-            groups[o * tiles + t].push(seg);
+            groups[o * ranges + t].push(seg);
         }
     }
     groups
@@ -257,7 +377,7 @@ fn dispatch_forward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: ForwardTa
             Isa::Portable => {}
         }
     }
-    run_forward(kind, cv, task)
+    run_forward::<T, false>(kind, cv, task)
 }
 
 fn dispatch_backward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: BackwardTask<'_, T>) {
@@ -278,19 +398,50 @@ fn dispatch_backward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: Backward
             Isa::Portable => {}
         }
     }
-    run_backward(kind, cv, task)
+    run_backward::<T, false>(kind, cv, task)
 }
 
 /// A forward task; inlined into the instruction-set entry points (simd/x86.rs) so that its
-/// loops vectorize there.
+/// loops vectorize there (with `FMA`: fused multiply-adds in the exponentials). No closure
+/// below takes part in a hot loop: a closure is compiled on its own, without the entry
+/// point's instruction set.
 #[inline(always)]
-pub(crate) fn run_forward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: ForwardTask<'_, T>) {
+pub(crate) fn run_forward<T: SoftmaxFloat, const FMA: bool>(
+    kind: Kind,
+    cv: Convert<T>,
+    task: ForwardTask<'_, T>,
+) {
+    let mut block_max = Vec::new();
     match task {
+        ForwardTask::Rows { x, y, dim } if !T::PANELS => {
+            forward_rows::<T, T::Acc, FMA>(kind, x, y, dim, &mut block_max);
+        }
         ForwardTask::Rows { x, y, dim } => {
-            let mut scratch = Scratch::default();
-            for (x, y) in x.chunks_exact(dim).zip(y.chunks_exact_mut(dim)) {
-                forward_row(kind, cv, x, y, &mut scratch);
+            // Panels of whole rows, widened once and narrowed once.
+            let panel = (PANEL / dim).max(1) * dim;
+            let mut buf = panels::<T::Acc>(panel);
+            let (xa, rest) = buf.split_at_mut(panel);
+            let ya = &mut rest[..panel];
+            for (xp, yp) in x.chunks(panel).zip(y.chunks_mut(panel)) {
+                let (xa, ya) = (&mut xa[..xp.len()], &mut ya[..xp.len()]);
+                (cv.widen)(xp, xa);
+                forward_rows::<T::Acc, T::Acc, FMA>(kind, xa, ya, dim, &mut block_max);
+                (cv.narrow)(ya, yp);
             }
+            T::Acc::put(buf);
+        }
+        ForwardTask::Columns {
+            x,
+            mut y,
+            inner,
+            first,
+        } if !T::PANELS => {
+            let cols = Cols {
+                x,
+                stride: inner,
+                first,
+            };
+            forward_cols::<T, T::Acc, FMA>(kind, cols, &mut y);
         }
         ForwardTask::Columns {
             x,
@@ -298,29 +449,70 @@ pub(crate) fn run_forward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: For
             inner,
             first,
         } => {
-            let mut exps = Vec::new();
-            let width = y.first().map_or(0, |s| s.len());
-            for start in (0..width).step_by(TILE) {
-                let place = (first + start, start);
-                forward_tile(kind, cv, x, &mut y[..], inner, place, &mut exps);
+            // The range's columns gathered into a dim x width panel.
+            let (dim, width) = (y.len(), y.first().map_or(0, |s| s.len()));
+            let n = dim * width;
+            let mut buf = panels::<T::Acc>(n);
+            let (xa, rest) = buf.split_at_mut(n);
+            let ya = &mut rest[..n];
+            for (d, xr) in xa.chunks_mut(width).enumerate() {
+                (cv.widen)(&x[d * inner + first..d * inner + first + width], xr);
             }
+            let mut segs: Vec<&mut [T::Acc]> = ya.chunks_mut(width).collect();
+            let cols = Cols {
+                x: &*xa,
+                stride: width,
+                first: 0,
+            };
+            forward_cols::<T::Acc, T::Acc, FMA>(kind, cols, &mut segs);
+            for (yr, seg) in ya.chunks(width).zip(y.iter_mut()) {
+                (cv.narrow)(yr, seg);
+            }
+            T::Acc::put(buf);
         }
     }
 }
 
 /// A backward task, inlined like [`run_forward`].
 #[inline(always)]
-pub(crate) fn run_backward<T: SoftmaxFloat>(
+pub(crate) fn run_backward<T: SoftmaxFloat, const FMA: bool>(
     kind: Kind,
     cv: Convert<T>,
     task: BackwardTask<'_, T>,
 ) {
     match task {
+        BackwardTask::Rows { dy, y, dx, dim } if !T::PANELS => {
+            backward_rows::<T, T::Acc, FMA>(kind, dy, y, dx, dim);
+        }
         BackwardTask::Rows { dy, y, dx, dim } => {
-            let rows = dy.chunks_exact(dim).zip(y.chunks_exact(dim));
-            for ((dy, y), dx) in rows.zip(dx.chunks_exact_mut(dim)) {
-                backward_row(kind, cv, dy, y, dx);
+            let panel = (PANEL / dim).max(1) * dim;
+            let mut buf = panels::<T::Acc>(panel);
+            let (ga, rest) = buf.split_at_mut(panel);
+            let (ya, da) = rest.split_at_mut(panel);
+            let parts = dy.chunks(panel).zip(y.chunks(panel)).zip(dx.chunks_mut(panel));
+            for ((gp, yp), dp) in parts {
+                let n = gp.len();
+                let (ga, ya, da) = (&mut ga[..n], &mut ya[..n], &mut da[..n]);
+                (cv.widen)(gp, ga);
+                (cv.widen)(yp, ya);
+                backward_rows::<T::Acc, T::Acc, FMA>(kind, ga, ya, da, dim);
+                (cv.narrow)(da, dp);
             }
+            T::Acc::put(buf);
+        }
+        BackwardTask::Columns {
+            dy,
+            y,
+            mut dx,
+            inner,
+            first,
+        } if !T::PANELS => {
+            let g = Cols {
+                x: dy,
+                stride: inner,
+                first,
+            };
+            backward_cols::<T, T::Acc, FMA>(kind, g, Cols { x: y, ..g }, &mut dx);
         }
         BackwardTask::Columns {
             dy,
@@ -329,36 +521,69 @@ pub(crate) fn run_backward<T: SoftmaxFloat>(
             inner,
             first,
         } => {
-            let width = dx.first().map_or(0, |s| s.len());
-            for start in (0..width).step_by(TILE) {
-                backward_tile(kind, cv, (dy, y), &mut dx[..], inner, (first + start, start));
+            let (dim, width) = (dx.len(), dx.first().map_or(0, |s| s.len()));
+            let n = dim * width;
+            let mut buf = panels::<T::Acc>(n);
+            let (ga, rest) = buf.split_at_mut(n);
+            let (ya, da) = rest.split_at_mut(n);
+            let da = &mut da[..n];
+            for (d, (gr, yr)) in ga.chunks_mut(width).zip(ya.chunks_mut(width)).enumerate() {
+                let at = d * inner + first;
+                (cv.widen)(&dy[at..at + width], gr);
+                (cv.widen)(&y[at..at + width], yr);
             }
+            let mut segs: Vec<&mut [T::Acc]> = da.chunks_mut(width).collect();
+            let g = Cols {
+                x: &*ga,
+                stride: width,
+                first: 0,
+            };
+            backward_cols::<T::Acc, T::Acc, FMA>(kind, g, Cols { x: &*ya, ..g }, &mut segs);
+            for (dr, seg) in da.chunks(width).zip(dx.iter_mut()) {
+                (cv.narrow)(dr, seg);
+            }
+            T::Acc::put(buf);
         }
     }
 }
 
-/// Buffers a task reuses from row to row.
-#[derive(Default)]
-struct Scratch<A> {
-    /// A row's exponentials (softmax).
-    exps: Vec<A>,
-    /// The running maximum each block's exponentials were taken against.
-    block_max: Vec<A>,
+/// Columns `first ..` of a `dim x stride` row-major panel.
+struct Cols<'a, E> {
+    x: &'a [E],
+    stride: usize,
+    first: usize,
+}
+
+impl<E> Clone for Cols<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for Cols<'_, E> {}
+
+impl<E> Cols<'_, E> {
+    /// Row `d`'s columns `col .. col + w` of the range.
+    #[inline(always)]
+    fn seg(&self, d: usize, col: usize, w: usize) -> &[E] {
+        let at = d * self.stride + self.first + col;
+        &self.x[at..at + w]
+    }
 }
 
 /// `max(m, buf)`, vectorized over lanes of 16.
 #[inline(always)]
-fn max_of<A: VecExp>(m: A, buf: &[A]) -> A {
+fn max_of<E: Elem<A>, A: VecExp>(m: A, buf: &[E]) -> A {
     let mut lanes = [A::NEG_INFINITY; 16];
     let chunks = buf.chunks_exact(16);
     let rest = chunks.remainder();
     for c in chunks {
         for (l, &v) in lanes.iter_mut().zip(c) {
-            *l = l.max_of(v);
+            *l = l.max_of(v.get());
         }
     }
     for &v in rest {
-        lanes[0] = lanes[0].max_of(v);
+        lanes[0] = lanes[0].max_of(v.get());
     }
     lanes.iter().fold(m, |a, &b| a.max_of(b))
 }
@@ -377,6 +602,12 @@ fn sum_of<A: Acc>(buf: &[A]) -> A {
     for (l, &v) in lanes.iter_mut().zip(rest) {
         *l += v;
     }
+    fold_lanes(lanes)
+}
+
+/// The sum of 16 lanes, pairwise.
+#[inline(always)]
+fn fold_lanes<A: Acc>(mut lanes: [A; 16]) -> A {
     let mut w = 16;
     while w > 1 {
         w /= 2;
@@ -387,10 +618,35 @@ fn sum_of<A: Acc>(buf: &[A]) -> A {
     lanes[0]
 }
 
+/// The sum of `a * b` (or of `a` alone when `!PRODUCT`), over lanes of 16.
+#[inline(always)]
+fn dot_of<E: Elem<A>, A: Acc, const PRODUCT: bool>(a: &[E], b: &[E]) -> A {
+    #[inline(always)]
+    fn term<E: Elem<A>, A: Acc, const PRODUCT: bool>(x: E, y: E) -> A {
+        if PRODUCT {
+            x.get() * y.get()
+        } else {
+            x.get()
+        }
+    }
+    let mut lanes = [A::ZERO; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for ((l, &x), &y) in lanes.iter_mut().zip(x).zip(y) {
+            *l += term::<E, A, PRODUCT>(x, y);
+        }
+    }
+    for ((l, &x), &y) in lanes.iter_mut().zip(ra).zip(rb) {
+        *l += term::<E, A, PRODUCT>(x, y);
+    }
+    fold_lanes(lanes)
+}
+
 /// `exp(v - m)`, with -inf giving 0 also when `m` is -inf (no finite element seen yet).
 #[inline(always)]
-fn exp_shift<A: VecExp>(v: A, m: A) -> A {
-    let e = (v - m).exp();
+fn exp_shift<A: VecExp, const FMA: bool>(v: A, m: A) -> A {
+    let e = (v - m).exp::<FMA>();
     if v == A::NEG_INFINITY {
         A::ZERO
     } else {
@@ -398,237 +654,257 @@ fn exp_shift<A: VecExp>(v: A, m: A) -> A {
     }
 }
 
+/// Forward rows of `dim` values.
 #[inline(always)]
-fn forward_row<T: SoftmaxFloat>(
+fn forward_rows<E: Elem<A>, A: AccType, const FMA: bool>(
     kind: Kind,
-    cv: Convert<T>,
-    x: &[T],
-    y: &mut [T],
-    scratch: &mut Scratch<T::Acc>,
+    x: &[E],
+    y: &mut [E],
+    dim: usize,
+    block_max: &mut Vec<A>,
 ) {
-    let zero = T::Acc::ZERO;
-    let mut buf = [zero; BLOCK];
-    let softmax = kind == Kind::Softmax;
-    if softmax {
-        scratch.exps.resize(x.len(), zero);
-        scratch.block_max.clear();
-    }
-    // Pass 1: the maximum and the sum of exponentials in one read, rescaling the sum when a
-    // block raises the maximum.
-    let (mut m, mut s) = (T::Acc::NEG_INFINITY, zero);
-    for (b, xb) in x.chunks(BLOCK).enumerate() {
-        let buf = &mut buf[..xb.len()];
-        (cv.widen)(xb, buf);
-        let bm = max_of(m, buf);
-        if bm > m {
-            s = s * (m - bm).exp();
-            m = bm;
-        }
-        for v in buf.iter_mut() {
-            *v = exp_shift(*v, m);
-        }
-        s += sum_of(buf);
-        if softmax {
-            scratch.exps[b * BLOCK..b * BLOCK + xb.len()].copy_from_slice(buf);
-            scratch.block_max.push(m);
-        }
-    }
-    if m == T::Acc::INFINITY {
-        // +inf: ATen's exp(inf - inf) makes the sum NaN.
-        s = T::Acc::NAN;
-    }
-    // Pass 2: the outputs.
-    if softmax {
-        for (b, yb) in y.chunks_mut(BLOCK).enumerate() {
-            let c = (scratch.block_max[b] - m).exp() / s;
-            let out = &mut buf[..yb.len()];
-            let exps = &scratch.exps[b * BLOCK..b * BLOCK + yb.len()];
-            for (o, &e) in out.iter_mut().zip(exps) {
-                *o = e * c;
+    match kind {
+        Kind::LogSoftmax => {
+            for (x, y) in x.chunks_exact(dim).zip(y.chunks_exact_mut(dim)) {
+                log_softmax_row::<E, A, FMA>(x, y);
             }
-            (cv.narrow)(out, yb);
         }
-    } else {
-        let log_sum = s.ln();
-        for (xb, yb) in x.chunks(BLOCK).zip(y.chunks_mut(BLOCK)) {
-            let b = &mut buf[..xb.len()];
-            (cv.widen)(xb, b);
-            for v in b.iter_mut() {
-                *v = (*v - m) - log_sum;
+        Kind::Softmax => {
+            // A row's exponentials, in the accumulation type.
+            let mut exps = A::take();
+            exps.resize(dim, A::ZERO);
+            for (x, y) in x.chunks_exact(dim).zip(y.chunks_exact_mut(dim)) {
+                softmax_row::<E, A, FMA>(x, y, &mut exps, block_max);
             }
-            (cv.narrow)(b, yb);
+            A::put(exps);
         }
     }
 }
 
+/// Pass 1: the maximum and the sum of exponentials in one read, rescaling the sum when a
+/// block raises the maximum; pass 2: `(x - m) - log(s)`, from cache.
 #[inline(always)]
-fn backward_row<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, dy: &[T], y: &[T], dx: &mut [T]) {
-    let zero = T::Acc::ZERO;
-    let (mut gb, mut yb) = ([zero; BLOCK], [zero; BLOCK]);
-    // Pass 1: sum(dy * y) or sum(dy).
-    let mut total = zero;
-    for (g, o) in dy.chunks(BLOCK).zip(y.chunks(BLOCK)) {
-        let n = g.len();
-        let g_acc = &mut gb[..n];
-        (cv.widen)(g, g_acc);
-        if kind == Kind::Softmax {
-            let y_acc = &mut yb[..n];
-            (cv.widen)(o, y_acc);
-            for (gv, &yv) in g_acc.iter_mut().zip(y_acc.iter()) {
-                *gv = *gv * yv;
+fn log_softmax_row<E: Elem<A>, A: VecExp, const FMA: bool>(x: &[E], y: &mut [E]) {
+    let (mut m, mut s) = (A::NEG_INFINITY, A::ZERO);
+    for xb in x.chunks(BLOCK) {
+        let bm = max_of(m, xb);
+        if bm > m {
+            s = s * (m - bm).exp::<FMA>();
+            m = bm;
+        }
+        let mut lanes = [A::ZERO; 16];
+        let chunks = xb.chunks_exact(16);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += exp_shift::<A, FMA>(v.get(), m);
             }
         }
-        total += sum_of(g_acc);
+        for (l, &v) in lanes.iter_mut().zip(rest) {
+            *l += exp_shift::<A, FMA>(v.get(), m);
+        }
+        s += fold_lanes(lanes);
     }
-    // Pass 2: dx.
-    for ((g, o), d) in dy.chunks(BLOCK).zip(y.chunks(BLOCK)).zip(dx.chunks_mut(BLOCK)) {
-        let n = g.len();
-        let (g_acc, y_acc) = (&mut gb[..n], &mut yb[..n]);
-        (cv.widen)(g, g_acc);
-        (cv.widen)(o, y_acc);
+    if m == A::INFINITY {
+        // ATen's exp(inf - inf) makes the sum NaN.
+        s = A::NAN;
+    }
+    let log_sum = s.ln();
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = E::set((v.get() - m) - log_sum);
+    }
+}
+
+/// Pass 1 as for log-softmax, keeping each block's exponentials and the maximum they were
+/// taken against; pass 2 rescales them to the final maximum and divides by the sum.
+#[inline(always)]
+fn softmax_row<E: Elem<A>, A: VecExp, const FMA: bool>(
+    x: &[E],
+    y: &mut [E],
+    exps: &mut [A],
+    block_max: &mut Vec<A>,
+) {
+    block_max.clear();
+    let (mut m, mut s) = (A::NEG_INFINITY, A::ZERO);
+    for (xb, eb) in x.chunks(BLOCK).zip(exps.chunks_mut(BLOCK)) {
+        let bm = max_of(m, xb);
+        if bm > m {
+            s = s * (m - bm).exp::<FMA>();
+            m = bm;
+        }
+        for (e, &v) in eb.iter_mut().zip(xb) {
+            *e = exp_shift::<A, FMA>(v.get(), m);
+        }
+        s += sum_of(eb);
+        block_max.push(m);
+    }
+    if m == A::INFINITY {
+        s = A::NAN;
+    }
+    let blocks = y.chunks_mut(BLOCK).zip(exps.chunks(BLOCK));
+    for ((yb, eb), &bm) in blocks.zip(block_max.iter()) {
+        let c = (bm - m).exp::<FMA>() / s;
+        for (o, &e) in yb.iter_mut().zip(eb) {
+            *o = E::set(e * c);
+        }
+    }
+}
+
+/// Backward rows: `dx = y * (dy - sum(dy * y))` or `dx = dy - exp(y) * sum(dy)`.
+#[inline(always)]
+fn backward_rows<E: Elem<A>, A: VecExp, const FMA: bool>(
+    kind: Kind,
+    dy: &[E],
+    y: &[E],
+    dx: &mut [E],
+    dim: usize,
+) {
+    let rows = dy.chunks_exact(dim).zip(y.chunks_exact(dim));
+    for ((g, o), d) in rows.zip(dx.chunks_exact_mut(dim)) {
         match kind {
             Kind::Softmax => {
-                for (gv, &yv) in g_acc.iter_mut().zip(y_acc.iter()) {
-                    *gv = yv * (*gv - total);
+                let total: A = dot_of::<E, A, true>(g, o);
+                for ((d, &gv), &yv) in d.iter_mut().zip(g).zip(o) {
+                    *d = E::set(yv.get() * (gv.get() - total));
                 }
             }
             Kind::LogSoftmax => {
-                for (gv, &yv) in g_acc.iter_mut().zip(y_acc.iter()) {
-                    *gv = *gv - yv.exp() * total;
+                let total: A = dot_of::<E, A, false>(g, o);
+                for ((d, &gv), &yv) in d.iter_mut().zip(g).zip(o) {
+                    *d = E::set(gv.get() - yv.get().exp::<FMA>() * total);
                 }
             }
         }
-        (cv.narrow)(g_acc, d);
     }
 }
 
-/// Columns `col .. col + TILE` (or fewer at the edge) of one outer slab: `x` is the slab
-/// (`dim x inner`), `y` its output segments (one per `d`, `at` being the tile's offset inside
-/// each segment).
-#[allow(clippy::too_many_arguments)]
+/// Forward over a range of columns, [`TILE`] at a time: maxima, then sums of exponentials
+/// (kept for softmax), then the outputs, each vectorized across the tile's columns.
 #[inline(always)]
-fn forward_tile<T: SoftmaxFloat>(
+fn forward_cols<E: Elem<A>, A: AccType, const FMA: bool>(
     kind: Kind,
-    cv: Convert<T>,
-    x: &[T],
-    y: &mut [&mut [T]],
-    inner: usize,
-    (col, at): (usize, usize),
-    exps: &mut Vec<T::Acc>,
+    x: Cols<'_, E>,
+    y: &mut [&mut [E]],
+) {
+    let (dim, width) = (y.len(), y.first().map_or(0, |s| s.len()));
+    let mut exps = A::take();
+    if kind == Kind::Softmax {
+        exps.resize(dim * TILE, A::ZERO);
+    }
+    for col in (0..width).step_by(TILE) {
+        let w = (width - col).min(TILE);
+        forward_tile::<E, A, FMA>(kind, x, y, (col, w), &mut exps);
+    }
+    A::put(exps);
+}
+
+#[inline(always)]
+fn forward_tile<E: Elem<A>, A: VecExp, const FMA: bool>(
+    kind: Kind,
+    x: Cols<'_, E>,
+    y: &mut [&mut [E]],
+    (col, w): (usize, usize),
+    exps: &mut [A],
 ) {
     let dim = y.len();
-    let w = (inner - col).min(TILE).min(y[0].len() - at);
-    let zero = T::Acc::ZERO;
-    let mut buf = [zero; TILE];
-    let buf = &mut buf[..w];
-    let seg = |d: usize| &x[d * inner + col..d * inner + col + w];
-    // Pass 1: column maxima.
-    let mut m = [T::Acc::NEG_INFINITY; TILE];
+    let zero = A::ZERO;
+    let mut m = [A::NEG_INFINITY; TILE];
     let m = &mut m[..w];
     for d in 0..dim {
-        (cv.widen)(seg(d), buf);
-        for (mv, &v) in m.iter_mut().zip(buf.iter()) {
-            *mv = mv.max_of(v);
+        for (mv, &v) in m.iter_mut().zip(x.seg(d, col, w)) {
+            *mv = mv.max_of(v.get());
         }
     }
-    // Pass 2: column sums of exponentials (softmax keeps the exponentials).
     let mut s = [zero; TILE];
     let s = &mut s[..w];
     let softmax = kind == Kind::Softmax;
-    if softmax {
-        exps.resize(dim * w, zero);
-    }
     for d in 0..dim {
-        (cv.widen)(seg(d), buf);
-        for (v, &mv) in buf.iter_mut().zip(m.iter()) {
-            *v = exp_shift(*v, mv);
-        }
-        for (sv, &e) in s.iter_mut().zip(buf.iter()) {
-            *sv += e;
-        }
+        let xs = x.seg(d, col, w);
         if softmax {
-            exps[d * w..(d + 1) * w].copy_from_slice(buf);
+            let e = &mut exps[d * w..(d + 1) * w];
+            for ((e, &v), &mv) in e.iter_mut().zip(xs).zip(m.iter()) {
+                *e = exp_shift::<A, FMA>(v.get(), mv);
+            }
+            for (sv, &e) in s.iter_mut().zip(e.iter()) {
+                *sv += e;
+            }
+        } else {
+            for ((sv, &v), &mv) in s.iter_mut().zip(xs).zip(m.iter()) {
+                *sv += exp_shift::<A, FMA>(v.get(), mv);
+            }
         }
     }
     for (sv, &mv) in s.iter_mut().zip(m.iter()) {
-        if mv == T::Acc::INFINITY {
+        if mv == A::INFINITY {
             // ATen's exp(inf - inf) makes the sum NaN.
-            *sv = T::Acc::NAN;
+            *sv = A::NAN;
         }
     }
-    // Pass 3: the outputs.
     if softmax {
         let mut inv = [zero; TILE];
         for (i, &sv) in inv.iter_mut().zip(s.iter()) {
-            *i = T::Acc::ONE / sv;
+            *i = A::ONE / sv;
         }
-        for (d, out) in y.iter_mut().enumerate() {
+        for (d, dst) in y.iter_mut().enumerate() {
             let e = &exps[d * w..(d + 1) * w];
-            for ((v, &e), &i) in buf.iter_mut().zip(e).zip(inv.iter()) {
-                *v = e * i;
+            for ((o, &e), &i) in dst[col..col + w].iter_mut().zip(e).zip(inv.iter()) {
+                *o = E::set(e * i);
             }
-            (cv.narrow)(buf, &mut out[at..at + w]);
         }
     } else {
         let mut log_sum = [zero; TILE];
         for (l, &sv) in log_sum.iter_mut().zip(s.iter()) {
             *l = sv.ln();
         }
-        for (d, out) in y.iter_mut().enumerate() {
-            (cv.widen)(seg(d), buf);
-            for ((v, &mv), &l) in buf.iter_mut().zip(m.iter()).zip(log_sum.iter()) {
-                *v = (*v - mv) - l;
+        for (d, dst) in y.iter_mut().enumerate() {
+            let terms = x.seg(d, col, w).iter().zip(m.iter()).zip(log_sum.iter());
+            for (o, ((&v, &mv), &l)) in dst[col..col + w].iter_mut().zip(terms) {
+                *o = E::set((v.get() - mv) - l);
             }
-            (cv.narrow)(buf, &mut out[at..at + w]);
         }
     }
 }
 
+/// Backward over a range of columns, [`TILE`] at a time.
 #[inline(always)]
-fn backward_tile<T: SoftmaxFloat>(
+fn backward_cols<E: Elem<A>, A: VecExp, const FMA: bool>(
     kind: Kind,
-    cv: Convert<T>,
-    (dy, y): (&[T], &[T]),
-    dx: &mut [&mut [T]],
-    inner: usize,
-    (col, at): (usize, usize),
+    dy: Cols<'_, E>,
+    y: Cols<'_, E>,
+    dx: &mut [&mut [E]],
 ) {
-    let dim = dx.len();
-    let w = (inner - col).min(TILE).min(dx[0].len() - at);
-    let zero = T::Acc::ZERO;
-    let (mut gb, mut yb) = ([zero; TILE], [zero; TILE]);
-    let (gb, yb) = (&mut gb[..w], &mut yb[..w]);
-    let range = |d: usize| d * inner + col..d * inner + col + w;
-    let mut total = [zero; TILE];
-    let total = &mut total[..w];
-    for d in 0..dim {
-        (cv.widen)(&dy[range(d)], gb);
-        if kind == Kind::Softmax {
-            (cv.widen)(&y[range(d)], yb);
-            for ((t, &g), &o) in total.iter_mut().zip(gb.iter()).zip(yb.iter()) {
-                *t += g * o;
-            }
-        } else {
-            for (t, &g) in total.iter_mut().zip(gb.iter()) {
-                *t += g;
-            }
-        }
-    }
-    for (d, out) in dx.iter_mut().enumerate() {
-        (cv.widen)(&dy[range(d)], gb);
-        (cv.widen)(&y[range(d)], yb);
-        match kind {
-            Kind::Softmax => {
-                for ((g, &o), &t) in gb.iter_mut().zip(yb.iter()).zip(total.iter()) {
-                    *g = o * (*g - t);
+    let (dim, width) = (dx.len(), dx.first().map_or(0, |s| s.len()));
+    for col in (0..width).step_by(TILE) {
+        let w = (width - col).min(TILE);
+        let mut total = [A::ZERO; TILE];
+        let total = &mut total[..w];
+        for d in 0..dim {
+            let gs = dy.seg(d, col, w);
+            if kind == Kind::Softmax {
+                for ((t, &g), &o) in total.iter_mut().zip(gs).zip(y.seg(d, col, w)) {
+                    *t += g.get() * o.get();
                 }
-            }
-            Kind::LogSoftmax => {
-                for ((g, &o), &t) in gb.iter_mut().zip(yb.iter()).zip(total.iter()) {
-                    *g = *g - o.exp() * t;
+            } else {
+                for (t, &g) in total.iter_mut().zip(gs) {
+                    *t += g.get();
                 }
             }
         }
-        (cv.narrow)(gb, &mut out[at..at + w]);
+        for (d, dst) in dx.iter_mut().enumerate() {
+            let terms = dy.seg(d, col, w).iter().zip(y.seg(d, col, w)).zip(total.iter());
+            let out = dst[col..col + w].iter_mut();
+            match kind {
+                Kind::Softmax => {
+                    for (o, ((&g, &yv), &t)) in out.zip(terms) {
+                        *o = E::set(yv.get() * (g.get() - t));
+                    }
+                }
+                Kind::LogSoftmax => {
+                    for (o, ((&g, &yv), &t)) in out.zip(terms) {
+                        *o = E::set(g.get() - yv.get().exp::<FMA>() * t);
+                    }
+                }
+            }
+        }
     }
 }

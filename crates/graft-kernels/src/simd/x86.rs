@@ -599,7 +599,7 @@ macro_rules! softmax_entry_points {
                     cv: crate::softmax::Convert<T>,
                     task: crate::softmax::ForwardTask<'_, T>,
                 ) {
-                    crate::softmax::run_forward(kind, cv, task)
+                    crate::softmax::run_forward::<T, true>(kind, cv, task)
                 }
                 // SAFETY: `self` proves the CPU has `$features`.
                 unsafe { run(kind, cv, task) }
@@ -618,7 +618,7 @@ macro_rules! softmax_entry_points {
                     cv: crate::softmax::Convert<T>,
                     task: crate::softmax::BackwardTask<'_, T>,
                 ) {
-                    crate::softmax::run_backward(kind, cv, task)
+                    crate::softmax::run_backward::<T, true>(kind, cv, task)
                 }
                 // SAFETY: `self` proves the CPU has `$features`.
                 unsafe { run(kind, cv, task) }
