@@ -34,7 +34,14 @@ namespace graft_softmax {
 
 using graft_common::Acc;
 using graft_common::from_acc;
+using graft_common::group_reduce;
+using graft_common::load_unit;
+using graft_common::max_acc;
+using graft_common::MaxOp;
+using graft_common::store_unit;
+using graft_common::SumOp;
 using graft_common::to_acc;
+using graft_common::Units;
 
 // Mirrored by #[repr(C)] SoftmaxParams in src/softmax.rs; every field is 8 bytes.
 struct Params {
@@ -113,22 +120,6 @@ __device__ __forceinline__ A neg_inf() {
   return -A(INFINITY);
 }
 
-__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
-
-struct MaxOp {
-  template <typename A>
-  __device__ __forceinline__ A operator()(A a, A b) const {
-    return max_acc(a, b);
-  }
-};
-struct SumOp {
-  template <typename A>
-  __device__ __forceinline__ A operator()(A a, A b) const {
-    return a + b;
-  }
-};
-
 // exp(v - m), with -inf giving 0 also when m is -inf (nothing but -inf seen yet).
 template <typename A>
 __device__ __forceinline__ A exp_shift(A v, A m) {
@@ -139,28 +130,6 @@ __device__ __forceinline__ A exp_shift(A v, A m) {
 template <typename A>
 __device__ __forceinline__ A rescale(A a, A b) {
   return a == b ? A(1) : exp(a - b);
-}
-
-// Reduction over the `tpr` threads of a row group (all of them get the same bits: xor
-// butterflies combine commutative pairs; the cross-warp step reads shared memory in a fixed
-// order). `red` holds 32 values; callers alternate two buffers, one barrier per reduction.
-template <typename A, typename Op>
-__device__ __forceinline__ A group_reduce(A v, int tpr, A* red, Op op) {
-  const int width = tpr < 32 ? tpr : 32;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    if (o < width) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  }
-  if (tpr > 32) {
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) red[warp] = v;
-    __syncthreads();
-    const int nw = tpr >> 5;
-    const int w0 = (warp / nw) * nw;
-    v = red[w0];
-    for (int i = 1; i < nw; ++i) v = op(v, red[w0 + i]);
-  }
-  return v;
 }
 
 // Merges running (maximum, sum) pairs over the whole block (blockDim.x a multiple of 32);
@@ -190,62 +159,6 @@ __device__ __forceinline__ void block_merge(A& m, A& s, A* red_m, A* red_s) {
       const A mm = max_acc(m, m2);
       s = s * rescale(m, mm) + red_s[i] * rescale(m2, mm);
       m = mm;
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Units: 16 bytes of the input type (N = 16 / sizeof(TI) elements), widened to A.
-
-template <typename T>
-struct Units {
-  static constexpr int N = 16 / sizeof(T);
-};
-
-// Unit j of a row into v[]; elements past `cols` (scalar path) or of a missing unit get `pad`.
-template <typename T, typename A, int N>
-__device__ __forceinline__ void load_unit(A (&v)[N], const T* __restrict__ row, long long j,
-                                          long long cols, bool vec, bool valid, A pad) {
-  if (valid && vec) {
-    const graft_common::Pack<T> p = graft_common::load_pack(row + j * N);
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = A(to_acc(p.v[e]));
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const long long c = j * N + e;
-      v[e] = (valid && c < cols) ? A(to_acc(row[c])) : pad;
-    }
-  }
-}
-
-// N values rounded to TO stored as columns [j * N, j * N + N) of a row: one or two 16-byte
-// stores (or one 8-byte store for 4 halves) on the vector path, else element by element.
-template <typename TO, typename A, int N>
-__device__ __forceinline__ void store_unit(TO* __restrict__ row, const A (&v)[N], long long j,
-                                           long long cols, bool vec) {
-  if (vec) {
-    struct alignas(16) Out {
-      TO v[N];
-    } o;
-#pragma unroll
-    for (int e = 0; e < N; ++e) o.v[e] = from_acc<TO>(typename Acc<TO>::type(v[e]));
-    constexpr int kBytes = int(N * sizeof(TO));
-    if constexpr (kBytes % 16 == 0) {
-      const uint4* src = reinterpret_cast<const uint4*>(&o);
-      uint4* dst = reinterpret_cast<uint4*>(row + j * N);
-#pragma unroll
-      for (int i = 0; i < kBytes / 16; ++i) dst[i] = src[i];
-    } else {
-      static_assert(kBytes == 8, "a unit of output is 8 bytes or whole 16-byte vectors");
-      *reinterpret_cast<unsigned long long*>(row + j * N) =
-          *reinterpret_cast<const unsigned long long*>(&o);
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const long long c = j * N + e;
-      if (c < cols) row[c] = from_acc<TO>(typename Acc<TO>::type(v[e]));
     }
   }
 }

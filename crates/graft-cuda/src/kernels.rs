@@ -149,6 +149,7 @@ const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[
     crate::glu::kernel_names,
     crate::adam::kernel_names,
     crate::softmax::kernel_names,
+    crate::layer_norm::kernel_names,
 ];
 
 fn named_kernels() -> Vec<String> {

@@ -26,6 +26,7 @@ pub mod fatbin;
 mod glu;
 mod kernels;
 mod launch;
+mod layer_norm;
 mod params;
 mod rms_norm;
 mod softmax;
@@ -35,6 +36,10 @@ pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MA
 pub use config::{DeviceLimits, KernelAttrs};
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
+pub use layer_norm::{
+    layer_norm_backward, layer_norm_backward_workspace_bytes, layer_norm_forward,
+    LayerNormBackward, LayerNormForward,
+};
 pub use softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
 pub use rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,

@@ -5,6 +5,7 @@
 //! that were there before come back), [`grafts`] reports them with their call counts.
 
 pub mod adam;
+pub mod layer_norm;
 mod layout;
 pub mod ops;
 pub mod rms_norm;
@@ -51,7 +52,7 @@ enum Holder {
     Cuda,
 }
 
-const GRAFTS: [Graft; 20] = [
+const GRAFTS: [Graft; 24] = [
     Graft {
         op: "aten::_fused_rms_norm",
         dispatch_key: "CPU",
@@ -172,6 +173,30 @@ const GRAFTS: [Graft; 20] = [
         holder: Holder::Cuda,
         counters: &softmax::cuda::LOG_SOFTMAX_BACKWARD,
     },
+    Graft {
+        op: "aten::native_layer_norm",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &layer_norm::cpu::FORWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm_backward",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &layer_norm::cpu::BACKWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &layer_norm::cuda::FORWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm_backward",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &layer_norm::cuda::BACKWARD,
+    },
 ];
 
 /// The registrations that [`enable`] makes and [`disable`] removes.
@@ -214,12 +239,14 @@ pub fn enable() -> Result<()> {
     cpu.register::<rms_norm::cpu::ForwardCpu>(c"_fused_rms_norm")?;
     adam::register::<adam::cpu::Cpu>(&mut cpu)?;
     softmax::cpu::register(&mut cpu)?;
+    layer_norm::cpu::register(&mut cpu)?;
     let cuda = if cuda_status().is_ok() {
         let mut cuda = Library::implementations(c"aten", c"CUDA")?;
         cuda.register::<rms_norm::cuda::ForwardCuda>(c"_fused_rms_norm")?;
         cuda.register::<rms_norm::cuda::BackwardCuda>(c"_fused_rms_norm_backward")?;
         adam::register::<adam::cuda::Cuda>(&mut cuda)?;
         softmax::cuda::register(&mut cuda)?;
+        layer_norm::cuda::register(&mut cuda)?;
         Some(cuda)
     } else {
         None

@@ -629,3 +629,49 @@ macro_rules! softmax_entry_points {
 
 softmax_entry_points!(Avx2, "avx2,fma,f16c");
 softmax_entry_points!(Avx512, "avx512f,avx2,fma,f16c");
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm (crate::layer_norm): the tasks compiled for each token, so that their loops vectorize.
+
+macro_rules! layer_norm_entry_points {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// [`crate::layer_norm::run_forward`] compiled for this token's features.
+            pub(crate) fn layer_norm_forward<T: crate::layer_norm::NormFloat>(
+                self,
+                cv: crate::elem::Convert<T>,
+                task: crate::layer_norm::ForwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::layer_norm::NormFloat>(
+                    cv: crate::elem::Convert<T>,
+                    task: crate::layer_norm::ForwardTask<'_, T>,
+                ) {
+                    crate::layer_norm::run_forward(cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(cv, task) }
+            }
+
+            /// [`crate::layer_norm::run_backward`] compiled for this token's features.
+            pub(crate) fn layer_norm_backward<T: crate::layer_norm::NormFloat>(
+                self,
+                cv: crate::elem::Convert<T>,
+                task: crate::layer_norm::BackwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::layer_norm::NormFloat>(
+                    cv: crate::elem::Convert<T>,
+                    task: crate::layer_norm::BackwardTask<'_, T>,
+                ) {
+                    crate::layer_norm::run_backward(cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(cv, task) }
+            }
+        }
+    };
+}
+
+layer_norm_entry_points!(Avx2, "avx2,fma,f16c");
+layer_norm_entry_points!(Avx512, "avx512f,avx2,fma,f16c");
