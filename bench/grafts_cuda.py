@@ -25,6 +25,12 @@ sections, ``--skip-compile`` leaves torch.compile out):
    and writes one: its floor is 1.5 copies). Issue 14's target: >= 90% of copy bandwidth at
    widths >= 4k, never slower than ATen.
 
+4. LayerNorm, bfloat16, hidden 4096 and 8192 at 128M elements, weight and bias: the forward op
+   (``aten::native_layer_norm``) against a copy of x (target <= 1.05x), the backward
+   (``native_layer_norm_backward``, dx, dw and db) against its three-pass floor (1.5 copies:
+   read x and dy, write dx; target <= 1.15x) and both against ATen (target >= 1.3x) and
+   ``torch.compile`` of the same ops.
+
 Writes $OUT/grafts_cuda.json when OUT is set, else bench/results/grafts_cuda.json.
 """
 
@@ -187,7 +193,7 @@ def bench_softmax(width: int, log: bool, reps: int, with_compile: bool) -> dict:
             cb = torch.compile(lambda g, o: bwd(g, o, -1, dtype), dynamic=False)
             ms["forward"]["torch_compile"] = time_ms(lambda: cf(x), reps)
             ms["backward"]["torch_compile"] = time_ms(lambda: cb(dy, y), reps)
-        except Exception as e:  # noqa: BLE001 (recorded, the other routes still count)
+        except Exception as e:
             ms["torch_compile_error"] = repr(e)[:300]  # type: ignore[assignment]
     size = x.element_size() * x.numel()
     floors = {"forward": copy_ms, "backward": 1.5 * copy_ms}
@@ -217,6 +223,71 @@ def run_softmax(reps: int, with_compile: bool) -> list[dict]:
             print(json.dumps(r), flush=True)
             runs.append(r)
             torch.cuda.empty_cache()
+    return runs
+
+
+LN_HIDDEN = [4096, 8192]
+
+
+def bench_layer_norm(hidden: int, reps: int, with_compile: bool) -> dict:
+    """One hidden size: forward and backward by every route, and the copy they are measured
+    against."""
+    dtype = torch.bfloat16
+    rows = SOFTMAX_NUMEL // hidden
+    x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    dy = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    b = torch.randn(hidden, device="cuda", dtype=dtype)
+    a = torch.ops.aten
+    _, mean, rstd = a.native_layer_norm.default(x, [hidden], w, b, 1e-5)
+
+    def fwd():
+        return a.native_layer_norm.default(x, [hidden], w, b, 1e-5)
+
+    def bwd():
+        return a.native_layer_norm_backward.default(dy, x, [hidden], mean, rstd, w, b, [True] * 3)
+
+    out = torch.empty_like(x)
+    copy_ms = time_ms(lambda: out.copy_(x), reps)
+    ms: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
+    torchgraft.disable()
+    ms["forward"]["aten"] = time_ms(fwd, reps)
+    ms["backward"]["aten"] = time_ms(bwd, reps)
+    torchgraft.enable()
+    ms["forward"]["torchgraft_native"] = time_ms(fwd, reps)
+    ms["backward"]["torchgraft_native"] = time_ms(bwd, reps)
+    torchgraft.disable()
+    if with_compile:
+        try:
+            cf = torch.compile(fwd, dynamic=False)
+            cb = torch.compile(bwd, dynamic=False)
+            ms["forward"]["torch_compile"] = time_ms(cf, reps)
+            ms["backward"]["torch_compile"] = time_ms(cb, reps)
+        except Exception as e:
+            ms["torch_compile_error"] = repr(e)[:300]  # type: ignore[assignment]
+    floors = {"forward": copy_ms, "backward": 1.5 * copy_ms}
+    result: dict = {
+        "op": "layer_norm",
+        "dtype": str(dtype),
+        "rows": rows,
+        "hidden": hidden,
+        "copy_ms": copy_ms,
+        "ms": ms,
+    }
+    for d in ("forward", "backward"):
+        routes = ms[d]
+        result[f"{d}_vs_floor"] = {k: v / floors[d] for k, v in routes.items()}
+        result[f"{d}_speedup_vs_aten"] = routes["aten"] / routes["torchgraft_native"]
+    return result
+
+
+def run_layer_norm(reps: int, with_compile: bool) -> list[dict]:
+    runs = []
+    for hidden in LN_HIDDEN:
+        r = bench_layer_norm(hidden, reps, with_compile)
+        print(json.dumps(r), flush=True)
+        runs.append(r)
+        torch.cuda.empty_cache()
     return runs
 
 
@@ -255,6 +326,8 @@ def main() -> None:
         results["adamw"] = runs
     if "softmax" in sections:
         results["softmax"] = run_softmax(args.reps, not args.skip_compile)
+    if "layer_norm" in sections:
+        results["layer_norm"] = run_layer_norm(args.reps, not args.skip_compile)
     results["stats"] = {k: v for k, v in torchgraft.stats().items() if v["calls"]}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)

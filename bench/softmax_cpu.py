@@ -45,8 +45,8 @@ def bench(numel: int, reps: int, rounds: int) -> list[dict]:
                 dy = torch.randn(shape, dtype=dtype)
                 y = fwd(x, dim, False)
                 fns = {
-                    "forward": lambda: fwd(x, dim, False),
-                    "backward": lambda: bwd(dy, y, dim, dtype),
+                    "forward": lambda f=fwd, x=x, d=dim: f(x, d, False),
+                    "backward": lambda b=bwd, g=dy, y=y, d=dim, t=dtype: b(g, y, d, t),
                 }
                 row = {"dtype": str(dtype), "op": "log_softmax" if log else "softmax"}
                 row |= {"shape": list(shape), "dim": dim}

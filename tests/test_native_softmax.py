@@ -325,6 +325,11 @@ def test_disable_restores_aten_and_grafts_are_listed():
         rows = {(r["op"], r["dispatch_key"]) for r in list_rows()}
     A._softmax(x, 1, False)
     assert calls(key("softmax")) == 1
-    for name in ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"):
+    for name in (
+        "_softmax",
+        "_log_softmax",
+        "_softmax_backward_data",
+        "_log_softmax_backward_data",
+    ):
         assert (f"aten::{name}", "CPU") in rows
         assert (f"aten::{name}", "CUDA") in rows

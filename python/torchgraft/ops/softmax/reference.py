@@ -8,7 +8,6 @@ a slice holding NaN or +inf, or only -inf, is all NaN.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["softmax_backward_reference", "softmax_reference"]
