@@ -73,9 +73,11 @@ def assert_usage_error(code: int, stderr: str, *fragments: str) -> None:
 
 
 def graft_keys(dispatch_key: str) -> list[str]:
-    """The stats keys of this build's native grafts for one dispatch key."""
+    """The stats keys of this build's native RMSNorm grafts for one dispatch key."""
     return [
-        f"native/{g.op}/{g.dispatch_key}" for g in native.grafts() if g.dispatch_key == dispatch_key
+        f"native/{g.op}/{g.dispatch_key}"
+        for g in native.grafts()
+        if g.dispatch_key == dispatch_key and "rms_norm" in g.op
     ]
 
 
