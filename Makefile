@@ -5,7 +5,7 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= 2.13.0
+TORCH ?= 2.15.0
 PY := $(VENV)/bin/python
 # nvcc 13.0 from PyPI, pinned as one family so its pieces agree (the GPU machines run 13.0).
 CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0.* nvidia-cuda-cccl==13.0.*

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torchgraft import registry
+from torchgraft._registry import torch_native
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
 
@@ -103,11 +104,11 @@ def test_router_registered_after_native_kernel_needs_no_suspend(native):
 
 def _torch_native_registry():
     """torch 2.13+'s cond/impl registry, or None (torch 2.11 has none, 2.12 an older one)."""
-    try:
-        from torch._native import registry as native_registry
-    except ImportError:
+    if torch_native.torch_minor() < (2, 13) or torch_native.layout() is None:
         return None
-    return native_registry if hasattr(native_registry, "native_decomp_table") else None
+    from torch._native import registry as native_registry
+
+    return native_registry
 
 
 needs_torch_native = pytest.mark.skipif(
@@ -141,7 +142,7 @@ def torch_native_override():
     with registry.suspend_routers():
         native_registry.deregister_op_overrides(disable_dsl_names="tgtest")
     # Forget the test node so later torch._native reinstalls do not bring it back.
-    graph = native_registry._graphs.get(("mm", "CPU"), [])
+    graph = torch_native._graphs().get(("aten", "mm", "CPU"), [])
     graph[:] = [n for n in graph if n.dsl_name != "tgtest"]
     native_registry.reenable_op_overrides(enable_dsl_names="tgtest")
     registry.clear_overrides()
