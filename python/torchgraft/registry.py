@@ -46,6 +46,7 @@ __all__ = [
     "UserOrderingFn",
     "clear_overrides",
     "deregister_op_overrides",
+    "get_dsl_operations",
     "list_overrides",
     "native_decomp_table",
     "override_stats",
@@ -537,6 +538,22 @@ def _node_stats(node: OverrideNode) -> dict[str, float]:
         stats["shadow_checks"] = node.shadow_checks
         stats["max_error"] = node.max_error
     return stats
+
+
+def get_dsl_operations(dsl_name: str, lib_symbol: str = "aten") -> list[str]:
+    """The op symbols ``dsl_name`` has overrides for in namespace ``lib_symbol``, sorted.
+
+    torch._native's function of the same name and meaning (one namespace per call: op symbols
+    are unique within a namespace, not across them).
+    """
+    with _lock:
+        return sorted(
+            {
+                slot.op_symbol
+                for slot in _slots.values()
+                if slot.lib_symbol == lib_symbol and any(n.dsl_name == dsl_name for n in slot.nodes)
+            }
+        )
 
 
 def override_stats() -> dict[str, dict[str, float]]:

@@ -50,7 +50,8 @@ def make_router(
     """
     returns = returns_of(overload)
 
-    def below(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
+    def call_below(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
+        # The router's own fallback, as a function (the router inlines the same steps).
         try:
             return fallback(keyset, *args, **kwargs)
         except RuntimeError as exc:
@@ -58,42 +59,59 @@ def make_router(
                 raise
         return recapture()(keyset, *args, **kwargs)
 
-    shadow_below = None if isinstance(fallback, MissingKernel) else below
+    shadow = None if isinstance(fallback, MissingKernel) else call_below
+    checks = {
+        id(node): ResultCheck(node, overload, returns, strict=strict, below=shadow)
+        for node in chain
+    }
     entries = tuple(
         (
             None if node.cond_fn is always_true else node.cond_fn,
             node.impl_fn,
             node.with_keyset,
             node,
-            ResultCheck(node, overload, returns, strict=strict, below=shadow_below),
+            checks[id(node)],
+            checks[id(node)].plain,
+            checks[id(node)].signature,
+            node.checked,
         )
         for node in chain
     )
+    quick = not strict and not returns.aliased
 
     def router(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         running = guard.node
-        if running is not None:
-            # Re-entered from a cond or impl of this (op, key): go to the kernel below.
-            if running is not COND_PHASE:
-                running.fallbacks += 1  # type: ignore[union-attr]
-            return below(keyset, *args, **kwargs)
-        guard.node = COND_PHASE
+        if running is None:
+            guard.node = COND_PHASE
+            try:
+                for cond, impl, with_keyset, node, check, plain, signature, checked in entries:
+                    if cond is not None and not cond(*args, **kwargs):
+                        node.fallbacks += 1
+                        continue
+                    node.calls += 1
+                    saved = check.before(args, kwargs) if strict else None
+                    guard.node = node
+                    if with_keyset:
+                        result = impl(keyset, *args, **kwargs)
+                    else:
+                        result = impl(*args, **kwargs)
+                    # The common case inline (this is every call's cost): a well-formed result
+                    # for inputs whose signature already passed the metadata check.
+                    if quick and plain(result) and signature(args, kwargs) in checked:
+                        return result
+                    check(result, keyset, args, kwargs, saved)
+                    return result
+            finally:
+                guard.node = None
+        elif running is not COND_PHASE:
+            # Re-entered from an impl of this (op, key): go to the kernel below.
+            running.fallbacks += 1  # type: ignore[union-attr]
         try:
-            for cond, impl, with_keyset, node, check in entries:
-                if cond is not None and not cond(*args, **kwargs):
-                    node.fallbacks += 1
-                    continue
-                node.calls += 1
-                saved = check.before(args, kwargs) if strict else None
-                guard.node = node
-                if with_keyset:
-                    result = impl(keyset, *args, **kwargs)
-                else:
-                    result = impl(*args, **kwargs)
-                check(result, keyset, args, kwargs, saved)
-                return result
-        finally:
-            guard.node = None
-        return below(keyset, *args, **kwargs)
+            return fallback(keyset, *args, **kwargs)
+        except RuntimeError as exc:
+            if INVALIDATED not in str(exc):
+                raise
+        # What was below changed (torch reports the capture invalidated): capture it again.
+        return recapture()(keyset, *args, **kwargs)
 
     return router
