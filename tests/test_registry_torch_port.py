@@ -519,6 +519,20 @@ def test_undefined_op_raises_on_install(namespaces):
     with pytest.warns(UserWarning, match=re.escape(f"{MISSING_NS}::twice does not exist")):
         info = _register_ns(always, lambda x: x, lib_symbol=MISSING_NS)
     assert info is not None and not info.active and not info.op_available
+    # An op defined later (torch_nn's ops appear when their module is imported) is picked up
+    # by the next change to the registry.
+    lib = torch.library.Library(MISSING_NS, "DEF")
+    try:
+        lib.define("twice(Tensor self) -> Tensor")
+        lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+        registry.reenable_op_overrides()
+        (listed,) = registry.list_overrides()
+        assert listed.active and listed.op_available and listed.installed
+        x = torch.tensor([1.0, 2.0])
+        assert torch.equal(getattr(torch.ops, MISSING_NS).twice(x), x)
+    finally:
+        registry.clear_overrides()
+        lib._destroy()
 
 
 # ============================================================================ test_decomp.py

@@ -294,6 +294,9 @@ def _recapture_for(slot: Slot) -> Callable[[], Callable[..., Any]]:
 def _sync(slot: Slot, *, force: bool = False) -> None:
     """Bring the dispatcher in line with the slot's nodes, filters and ordering."""
     if slot.overload is None:
+        # Ops defined by Python modules (torch_nn's) appear once their module is imported.
+        slot.overload = _resolve_overload(slot.lib_symbol, slot.op_symbol)
+    if slot.overload is None:
         # This torch lacks the op: keep the overrides registered, never active.
         for node in slot.nodes:
             node.active = False

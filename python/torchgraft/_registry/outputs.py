@@ -457,12 +457,18 @@ class ResultCheck:
                 )
         checked = self.node.checked
         key = None if self.strict else self.signature(args, kwargs)
-        if key is not None and key in checked:
-            return
+        try:
+            if key is not None and key in checked:
+                return
+        except TypeError:  # an unhashable argument: no signature, so check every call
+            key = None
         self._check_metadata(result, args, kwargs)
         if key is not None:
             if len(checked) >= MAX_SIGNATURES:
-                checked.pop(next(iter(checked)))
+                try:
+                    del checked[next(iter(checked))]
+                except (RuntimeError, KeyError, StopIteration):
+                    pass  # another thread changed it meanwhile; it stays bounded anyway
             checked[key] = None
         if saved is not None and self.below is not None:
             self._shadow(result, keyset, saved)

@@ -97,8 +97,12 @@ def make_router(
                         result = impl(*args, **kwargs)
                     # The common case inline (this is every call's cost): a well-formed result
                     # for inputs whose signature already passed the metadata check.
-                    if quick and plain(result) and signature(args, kwargs) in checked:
-                        return result
+                    if quick and plain(result):
+                        try:
+                            if signature(args, kwargs) in checked:
+                                return result
+                        except TypeError:  # an unhashable argument: the check below copes
+                            pass
                     check(result, keyset, args, kwargs, saved)
                     return result
             finally:
