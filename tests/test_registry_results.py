@@ -365,3 +365,53 @@ def test_strict_mode_without_a_kernel_below_checks_metadata_only(monkeypatch):
     assert (
         "shadow_checks" not in registry.override_stats()["mydsl/aten::_fused_rms_norm_backward/CPU"]
     )
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+compiles_triton = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="Triton kernels are interpreted in this run"
+)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_impl_returning_a_cpu_tensor_is_an_error():
+    registry.register_op_override(
+        "mydsl", "aten", "mm", "CUDA", lambda a, b: True, lambda a, b: mm64(a.cpu(), b.cpu())
+    )
+    a, b = torch.randn(4, 8, device="cuda"), torch.randn(8, 2, device="cuda")
+    with pytest.raises(registry.OverrideResultError, match="is on cpu, the op's is on cuda"):
+        torch.mm(a, b)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@compiles_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rms_norm_under_strict_mode_matches_aten(monkeypatch, dtype):
+    # Shadow verification on the GPU: torchgraft's Triton RMSNorm against ATen's CUDA kernels
+    # below it, forward and backward, at a size its cond takes (the headline shape).
+    from torchgraft.ops import rms_norm
+
+    monkeypatch.setenv("TORCHGRAFT_STRICT", "1")
+    rms_norm.register()
+    try:
+        x = torch.randn(8, 4096, 4096, dtype=dtype, device="cuda", requires_grad=True)
+        w = torch.randn(4096, dtype=dtype, device="cuda", requires_grad=True)
+        y = F.rms_norm(x, [4096], w)
+        y.sum().backward()
+        stats = registry.override_stats()
+        fwd = stats["triton/aten::_fused_rms_norm/CUDA"]
+        bwd = stats["triton/aten::_fused_rms_norm_backward/CUDA"]
+        assert fwd["calls"] == 1 and fwd["shadow_checks"] == 1
+        assert bwd["calls"] == 1 and bwd["shadow_checks"] == 1
+        # Two correct kernels differ by rounding: a few units in the last place of the
+        # largest value (generous: 64 units).
+        eps = torch.finfo(dtype).eps
+        assert fwd["max_error"] <= 64 * eps * y.detach().abs().max().item()
+        largest_grad = max(x.grad.abs().max().item(), w.grad.abs().max().item())
+        assert bwd["max_error"] <= 64 * eps * largest_grad
+    finally:
+        rms_norm.deregister()
