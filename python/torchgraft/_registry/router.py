@@ -60,23 +60,22 @@ def make_router(
         return recapture()(keyset, *args, **kwargs)
 
     shadow = None if isinstance(fallback, MissingKernel) else call_below
-    checks = {
-        id(node): ResultCheck(node, overload, returns, strict=strict, below=shadow)
-        for node in chain
-    }
-    entries = tuple(
-        (
-            None if node.cond_fn is always_true else node.cond_fn,
+
+    def entry(node: OverrideNode) -> tuple[Any, ...]:
+        check = ResultCheck(node, overload, returns, strict=strict, below=shadow)
+        cond = None if node.cond_fn is always_true else node.cond_fn
+        return (
+            cond,
             node.impl_fn,
             node.with_keyset,
             node,
-            checks[id(node)],
-            checks[id(node)].plain,
-            checks[id(node)].signature,
+            check,
+            check.plain,
+            check.signature,
             node.checked,
         )
-        for node in chain
-    )
+
+    entries = tuple(entry(node) for node in chain)
     quick = not strict and not returns.aliased
 
     def router(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
