@@ -18,8 +18,10 @@ pub mod glu;
 mod isa;
 mod parallel;
 pub mod rms_norm;
+pub mod rope;
 mod rows;
 mod simd;
+mod vmath;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};
