@@ -286,6 +286,14 @@ macro_rules! tuple_impls {
     };
 }
 
+/// A schema that returns nothing (an op that only mutates its arguments).
+impl KernelOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
+        Ok(())
+    }
+}
+
 tuple_impls!(1; A 0);
 tuple_impls!(2; A 0, B 1);
 tuple_impls!(3; A 0, B 1, C 2);

@@ -7,6 +7,7 @@
 //! backward ops defined here. Adding an op is one row of [`OPS`] plus its kernel module.
 
 mod glu;
+mod rope;
 
 use std::sync::Mutex;
 
@@ -59,6 +60,22 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
         cpu_counters: &glu::GEGLU_BACKWARD_CPU,
         cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rope",
+        schema: c"rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rope::RopeCpu>(c"rope"),
+        register_cuda: |lib| lib.register::<rope::RopeCuda>(c"rope"),
+        cpu_counters: &rope::ROPE_CPU,
+        cuda_counters: &rope::ROPE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rope_backward",
+        schema: c"rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, int unsqueeze_dim) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rope::RopeBackwardCpu>(c"rope_backward"),
+        register_cuda: |lib| lib.register::<rope::RopeBackwardCuda>(c"rope_backward"),
+        cpu_counters: &rope::ROPE_BACKWARD_CPU,
+        cuda_counters: &rope::ROPE_BACKWARD_CUDA,
     },
 ];
 
