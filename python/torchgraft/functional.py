@@ -18,27 +18,41 @@ __all__ = ["geglu", "rope", "swiglu"]
 _GELU_APPROXIMATIONS = ("none", "tanh")
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tensor:
     """``F.silu(gate) * up`` in one pass (computed in float32, float64 for float64 inputs).
 
     Args:
         gate: The gate projection, any shape, a floating dtype.
         up: The up projection: the same shape, dtype and device as ``gate``.
+        inplace_backward: Write the gradients of ``gate`` and ``up`` over ``gate`` and ``up``
+            in the backward instead of allocating them (Liger-Kernel's trick: the backward
+            then needs no memory of its own). Only for callers that own ``gate`` and ``up``:
+            intermediate results (e.g. an MLP's fresh gate and up projections) that nothing
+            reads after the backward. Autograd raises if another recorded op saved them (their
+            version counter moves); leaves, tensors that do not require grad and
+            non-contiguous tensors get ordinary allocated gradients. On CPU the kernel
+            computes into temporaries and copies: the memory saving is on the GPU.
     """
-    return torch.ops.torchgraft.swiglu(gate, up)
+    return torch.ops.torchgraft.swiglu(gate, up, inplace_backward=inplace_backward)
 
 
-def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+def geglu(
+    gate: Tensor, up: Tensor, approximate: str = "none", *, inplace_backward: bool = False
+) -> Tensor:
     """``F.gelu(gate, approximate=approximate) * up`` in one pass.
 
     Args:
         gate: The gate projection, any shape, a floating dtype.
         up: The up projection: the same shape, dtype and device as ``gate``.
         approximate: ``"none"`` (exact, erf) or ``"tanh"``, as for ``F.gelu``.
+        inplace_backward: As for [`swiglu`][]: the backward writes the gradients over ``gate``
+            and ``up`` (only for callers that own them and never read them afterwards).
     """
     if approximate not in _GELU_APPROXIMATIONS:
         raise RuntimeError(f"approximate argument must be either none or tanh, got {approximate!r}")
-    return torch.ops.torchgraft.geglu(gate, up, approximate == "tanh")
+    return torch.ops.torchgraft.geglu(
+        gate, up, approximate == "tanh", inplace_backward=inplace_backward
+    )
 
 
 def rope(

@@ -60,6 +60,9 @@ fn glu_and_rope_kernels_match_float64_on_the_cpu_emulator() {
         .filter_map(|t| t.parse().ok())
         .collect();
     assert_eq!(nums.len(), 3, "{summary}");
-    assert!(nums[0] > 400 && nums[1] > 800, "too few cases ran: {summary}");
+    assert!(
+        nums[0] > 400 && nums[1] > 800,
+        "too few cases ran: {summary}"
+    );
     assert_eq!(nums[2], 0, "{stdout}");
 }

@@ -30,7 +30,7 @@ struct CustomOp {
 const OPS: &[CustomOp] = &[
     CustomOp {
         op: "torchgraft::swiglu",
-        schema: c"swiglu(Tensor gate, Tensor up) -> Tensor",
+        schema: c"swiglu(Tensor gate, Tensor up, *, bool inplace_backward=False) -> Tensor",
         register_cpu: |lib| lib.register::<glu::SwigluCpu>(c"swiglu"),
         register_cuda: |lib| lib.register::<glu::SwigluCuda>(c"swiglu"),
         cpu_counters: &glu::SWIGLU_CPU,
@@ -46,7 +46,7 @@ const OPS: &[CustomOp] = &[
     },
     CustomOp {
         op: "torchgraft::geglu",
-        schema: c"geglu(Tensor gate, Tensor up, bool tanh) -> Tensor",
+        schema: c"geglu(Tensor gate, Tensor up, bool tanh, *, bool inplace_backward=False) -> Tensor",
         register_cpu: |lib| lib.register::<glu::GegluCpu>(c"geglu"),
         register_cuda: |lib| lib.register::<glu::GegluCuda>(c"geglu"),
         cpu_counters: &glu::GEGLU_CPU,
@@ -60,6 +60,22 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
         cpu_counters: &glu::GEGLU_BACKWARD_CPU,
         cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::swiglu_backward_",
+        schema: c"swiglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up) -> ()",
+        register_cpu: |lib| lib.register::<glu::SwigluBackwardInPlaceCpu>(c"swiglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::SwigluBackwardInPlaceCuda>(c"swiglu_backward_"),
+        cpu_counters: &glu::SWIGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::SWIGLU_BACKWARD_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::geglu_backward_",
+        schema: c"geglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up, bool tanh) -> ()",
+        register_cpu: |lib| lib.register::<glu::GegluBackwardInPlaceCpu>(c"geglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::GegluBackwardInPlaceCuda>(c"geglu_backward_"),
+        cpu_counters: &glu::GEGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::GEGLU_BACKWARD_INPLACE_CUDA,
     },
     CustomOp {
         op: "torchgraft::rope",
