@@ -28,6 +28,7 @@ mod kernels;
 mod launch;
 mod params;
 mod rms_norm;
+mod rope;
 pub mod tools;
 
 pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
@@ -39,6 +40,7 @@ pub use rms_norm::{
     rms_norm_backward_workspace_bytes, rms_norm_backward_workspace_bytes_for, rms_norm_forward,
     rms_norm_forward_with, Plan, Tuning,
 };
+pub use rope::{rope, RopeArgs, RopeOperand};
 
 mod error;
 

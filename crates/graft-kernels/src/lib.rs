@@ -1,5 +1,7 @@
 //! Pure Rust CPU kernels for torchgraft: RMSNorm forward and backward over contiguous row-major
-//! buffers, gated linear units ([`glu`]), generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]).
+//! buffers, gated linear units ([`glu`]) and rotary position embeddings over strided rows
+//! ([`rope`]), generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]). The activations'
+//! `f32` transcendental functions are vectorized too (`vmath`).
 //!
 //! The kernels are SIMD, chosen at run time ([`Isa`]: AVX-512, AVX2 + FMA + F16C, or portable
 //! Rust), and run near memory bandwidth: the forward pass reads each row from memory once (the
@@ -19,8 +21,10 @@ pub mod glu;
 mod isa;
 mod parallel;
 pub mod rms_norm;
+pub mod rope;
 mod rows;
 mod simd;
+mod vmath;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};

@@ -7,6 +7,7 @@
 //! backward ops defined here. Adding an op is one row of [`OPS`] plus its kernel module.
 
 mod glu;
+mod rope;
 
 use std::sync::Mutex;
 
@@ -29,7 +30,7 @@ struct CustomOp {
 const OPS: &[CustomOp] = &[
     CustomOp {
         op: "torchgraft::swiglu",
-        schema: c"swiglu(Tensor gate, Tensor up) -> Tensor",
+        schema: c"swiglu(Tensor gate, Tensor up, *, bool inplace_backward=False) -> Tensor",
         register_cpu: |lib| lib.register::<glu::SwigluCpu>(c"swiglu"),
         register_cuda: |lib| lib.register::<glu::SwigluCuda>(c"swiglu"),
         cpu_counters: &glu::SWIGLU_CPU,
@@ -45,7 +46,7 @@ const OPS: &[CustomOp] = &[
     },
     CustomOp {
         op: "torchgraft::geglu",
-        schema: c"geglu(Tensor gate, Tensor up, bool tanh) -> Tensor",
+        schema: c"geglu(Tensor gate, Tensor up, bool tanh, *, bool inplace_backward=False) -> Tensor",
         register_cpu: |lib| lib.register::<glu::GegluCpu>(c"geglu"),
         register_cuda: |lib| lib.register::<glu::GegluCuda>(c"geglu"),
         cpu_counters: &glu::GEGLU_CPU,
@@ -59,6 +60,38 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
         cpu_counters: &glu::GEGLU_BACKWARD_CPU,
         cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::swiglu_backward_",
+        schema: c"swiglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up) -> ()",
+        register_cpu: |lib| lib.register::<glu::SwigluBackwardInPlaceCpu>(c"swiglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::SwigluBackwardInPlaceCuda>(c"swiglu_backward_"),
+        cpu_counters: &glu::SWIGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::SWIGLU_BACKWARD_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::geglu_backward_",
+        schema: c"geglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up, bool tanh) -> ()",
+        register_cpu: |lib| lib.register::<glu::GegluBackwardInPlaceCpu>(c"geglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::GegluBackwardInPlaceCuda>(c"geglu_backward_"),
+        cpu_counters: &glu::GEGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::GEGLU_BACKWARD_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rope",
+        schema: c"rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rope::RopeCpu>(c"rope"),
+        register_cuda: |lib| lib.register::<rope::RopeCuda>(c"rope"),
+        cpu_counters: &rope::ROPE_CPU,
+        cuda_counters: &rope::ROPE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rope_backward",
+        schema: c"rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, int unsqueeze_dim) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rope::RopeBackwardCpu>(c"rope_backward"),
+        register_cuda: |lib| lib.register::<rope::RopeBackwardCuda>(c"rope_backward"),
+        cpu_counters: &rope::ROPE_BACKWARD_CPU,
+        cuda_counters: &rope::ROPE_BACKWARD_CUDA,
     },
 ];
 
