@@ -9,7 +9,7 @@
 use crate::dtype::DType;
 use crate::error::{check, Error, Result};
 use crate::sys::{api, StableIValue, StableListHandle};
-use crate::tensor::Tensor;
+use crate::tensor::{MutTensor, Tensor};
 
 /// A schema value a kernel can receive: converting takes ownership of whatever the slot owns.
 pub trait FromStable: Sized {
@@ -28,6 +28,13 @@ impl FromStable for Tensor {
     unsafe fn from_stable(value: StableIValue) -> Result<Tensor> {
         // SAFETY: a Tensor slot is an owning AtenTensorHandle (caller's contract).
         unsafe { Tensor::from_raw(value as usize as *mut _) }
+    }
+}
+
+impl FromStable for MutTensor {
+    unsafe fn from_stable(value: StableIValue) -> Result<MutTensor> {
+        // SAFETY: as for Tensor; the schema declares this argument mutable (caller's contract).
+        Ok(MutTensor::new(unsafe { Tensor::from_stable(value) }?))
     }
 }
 
@@ -284,6 +291,14 @@ macro_rules! tuple_impls {
             }
         }
     };
+}
+
+/// No outputs (a schema returning `()`, e.g. an in-place operator).
+impl KernelOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
+        Ok(())
+    }
 }
 
 tuple_impls!(1; A 0);

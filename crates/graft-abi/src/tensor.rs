@@ -274,6 +274,66 @@ impl NewTensor {
     }
 }
 
+/// A tensor argument that the operator's schema declares mutable (`Tensor(a!)`): by that
+/// contract the kernel may write its data during the call.
+#[derive(Debug)]
+pub struct MutTensor(Tensor);
+
+impl MutTensor {
+    pub(crate) fn new(t: Tensor) -> MutTensor {
+        MutTensor(t)
+    }
+
+    /// Read access to metadata and data.
+    pub fn tensor(&self) -> &Tensor {
+        &self.0
+    }
+
+    /// The elements of this contiguous CPU tensor, writable, after checking that none of
+    /// `others` (the call's other tensor arguments, which the kernel may read meanwhile) shares
+    /// a byte with it.
+    pub fn as_mut_slice_disjoint<T: Element>(&mut self, others: &[&Tensor]) -> Result<&mut [T]> {
+        let (ptr, len) = self.0.host_elements::<T>()?;
+        let mine = (ptr as usize, ptr as usize + len * std::mem::size_of::<T>());
+        for other in others {
+            if let Some((start, end)) = other.byte_range()? {
+                crate::ensure!(
+                    end <= mine.0 || mine.1 <= start,
+                    "a tensor written in place shares memory with another argument"
+                );
+            }
+        }
+        // SAFETY: as in `Tensor::as_slice` for the extent; the schema makes this argument
+        // mutable, so torch gives this kernel the right to write it for the call, and no other
+        // argument overlaps it (checked above), so this is the only live reference to the bytes.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+    }
+}
+
+impl Tensor {
+    /// The bytes `[start, end)` the tensor's elements occupy (`None` when it has none).
+    fn byte_range(&self) -> Result<Option<(usize, usize)>> {
+        if self.numel()? == 0 {
+            return Ok(None);
+        }
+        let elem = self.dtype()?.size().unwrap_or(16) as i64;
+        let (mut low, mut high) = (0i64, 0i64);
+        for (&size, &stride) in self.sizes()?.iter().zip(self.strides()?) {
+            let reach = (size - 1) * stride;
+            if reach < 0 {
+                low += reach;
+            } else {
+                high += reach;
+            }
+        }
+        let base = self.data_ptr()? as i64;
+        Ok(Some((
+            (base + low * elem) as usize,
+            (base + (high + 1) * elem) as usize,
+        )))
+    }
+}
+
 /// Row-major strides of a tensor with these sizes (as torch computes them: size-1 dims included).
 pub fn contiguous_strides(sizes: &[i64]) -> Vec<i64> {
     let mut strides = vec![1i64; sizes.len()];

@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 mod config;
+mod cross_entropy;
 mod device;
 mod driver;
 pub mod fatbin;
@@ -30,6 +31,10 @@ mod rms_norm;
 pub mod tools;
 
 pub use config::{DeviceLimits, KernelAttrs};
+pub use cross_entropy::{
+    cross_entropy_count, cross_entropy_reduce, cross_entropy_rows, cross_entropy_rows_with,
+    scale_grad, CrossEntropyCount, CrossEntropyReduce, CrossEntropyRows, RowsTuning, ScaleGrad,
+};
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
 pub use rms_norm::{

@@ -12,6 +12,7 @@
 
 mod blocks;
 pub mod convert;
+pub mod cross_entropy;
 mod dispatch;
 mod float;
 pub mod glu;
@@ -20,6 +21,7 @@ mod parallel;
 pub mod rms_norm;
 mod rows;
 mod simd;
+mod vectorize;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};

@@ -1,0 +1,583 @@
+//! Cross-entropy over rows of logits, with the gradient computed in the same call.
+//!
+//! For a row `x` of `cols` logits, target class `t` and label smoothing `eps`:
+//!
+//! ```text
+//! lse  = log(sum_c exp(x_c))
+//! loss = lse - (1 - eps) x_t - (eps / cols) sum_c x_c
+//! grad = scale * (softmax(x) - (1 - eps) onehot(t) - eps / cols)
+//! ```
+//!
+//! which is PyTorch's `cross_entropy(x.float(), t, label_smoothing=eps)` per row. Rows whose
+//! target is `ignore_index` get a zero loss and a zero gradient. Arithmetic happens in `T::Acc`
+//! (f32, f64 for f64): each row is read three times (max, sum of exponentials, gradient), from
+//! cache after the first, and the gradient is rounded once to `T`. The gradient may be written
+//! over the logits themselves ([`forward_in_place`]).
+//!
+//! The loops work on [`LANES`]-wide arrays with a branch-free exponential, so that the compiler
+//! vectorizes them; [`crate::vectorize`] compiles them for the best instruction set.
+
+use crate::blocks;
+use crate::float::{Acc, Float};
+use crate::isa::Isa;
+use crate::parallel::Parallel;
+use crate::vectorize::{self, Job};
+
+/// Lanes of the arrays the row loops work on (one AVX-512 vector of f32, two of AVX2).
+const LANES: usize = 16;
+
+/// Row elements per parallel task, about.
+const TASK_ELEMS: usize = 1 << 15;
+
+/// The loss's parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Options {
+    /// Classes per row (`V`), at least 1.
+    pub cols: usize,
+    /// Target value of rows to skip.
+    pub ignore_index: i64,
+    /// Label smoothing in `[0, 1]` (PyTorch treats negative values as 0; callers pass 0 then).
+    pub smoothing: f64,
+}
+
+/// The factor each row's gradient is multiplied by: `all`, times `rows[r]` when given (the
+/// per-row upstream gradient of an unreduced loss).
+#[derive(Clone, Copy, Debug)]
+pub struct Scale<'a, A> {
+    /// Factor of every row (e.g. `1 / valid rows` for a mean).
+    pub all: A,
+    /// Per-row factors, one per row, when given.
+    pub rows: Option<&'a [A]>,
+}
+
+/// A target that is neither `ignore_index` nor a class in `0..cols`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BadTarget(pub i64);
+
+/// Checks every target and counts the rows that are not ignored.
+///
+/// # Errors
+/// The first target outside `0..cols` that is not `ignore_index`.
+pub fn count_valid(target: &[i64], cols: usize, ignore_index: i64) -> Result<usize, BadTarget> {
+    let mut valid = 0;
+    for &t in target {
+        if t == ignore_index {
+            continue;
+        }
+        if t < 0 || t as u64 >= cols as u64 {
+            return Err(BadTarget(t));
+        }
+        valid += 1;
+    }
+    Ok(valid)
+}
+
+/// The transcendental functions the rows need, in the accumulation types.
+pub trait CeMath: Acc {
+    /// `-inf`.
+    const NEG_INF: Self;
+    /// `e^self` for `self <= 0` (or NaN, which stays NaN). Below the smallest normal result it
+    /// returns 0.
+    fn exp_nonpos(self) -> Self;
+    /// The natural logarithm.
+    fn ln(self) -> Self;
+    /// `v` rounded to `Self`.
+    fn from_f64(v: f64) -> Self;
+}
+
+impl CeMath for f32 {
+    const NEG_INF: f32 = f32::NEG_INFINITY;
+    /// Cody-Waite reduction `x = k ln2 + r`, `|r| <= ln2 / 2`, a degree-7 minimax polynomial
+    /// for `e^r` (Cephes' coefficients, about 1 ulp), and `2^k` built from its bits: no branch
+    /// and no call, so loops over it vectorize.
+    #[inline(always)]
+    fn exp_nonpos(self) -> f32 {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        // ln 2 split so that `k * LN2_HI` is exact for |k| < 2^15.
+        const LN2_HI: f32 = 0.693_359_4;
+        const LN2_LO: f32 = -2.121_944_4e-4;
+        // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
+        const ROUND: f32 = 12_582_912.0;
+        const LO: f32 = -87.0;
+        const HI: f32 = 88.0;
+        let x = self;
+        // NaN stays NaN and produces NaN.
+        let xc = x.clamp(LO, HI);
+        let kf = (xc * LOG2E + ROUND) - ROUND;
+        let r = (xc - kf * LN2_HI) - kf * LN2_LO;
+        let mut p = 1.987_569_2e-4_f32;
+        p = p * r + 1.398_199_9e-3;
+        p = p * r + 8.333_452e-3;
+        p = p * r + 4.166_579_6e-2;
+        p = p * r + 1.666_666_5e-1;
+        p = p * r + 0.5;
+        let er = p * r * r + r + 1.0;
+        // k is in [-126, 127] (0 for NaN): 2^k is a normal number.
+        let k = kf as i32;
+        let two_k = f32::from_bits(((k + 127) as u32) << 23);
+        let y = er * two_k;
+        if x < LO {
+            0.0
+        } else {
+            y
+        }
+    }
+    #[inline(always)]
+    fn ln(self) -> f32 {
+        f32::ln(self)
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> f32 {
+        v as f32
+    }
+}
+
+impl CeMath for f64 {
+    const NEG_INF: f64 = f64::NEG_INFINITY;
+    #[inline(always)]
+    fn exp_nonpos(self) -> f64 {
+        f64::exp(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> f64 {
+        f64::ln(self)
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> f64 {
+        v
+    }
+}
+
+/// Per-row constants of the loss.
+#[derive(Clone, Copy)]
+struct Consts<A> {
+    cols: usize,
+    ignore_index: i64,
+    /// `1 - eps`.
+    on_target: A,
+    /// `eps / cols`.
+    per_class: A,
+    /// Whether `eps > 0` (the sum of the row is needed).
+    smoothing: bool,
+}
+
+impl<A: CeMath> Consts<A> {
+    fn new(o: &Options) -> Self {
+        let eps = o.smoothing.max(0.0);
+        Consts {
+            cols: o.cols,
+            ignore_index: o.ignore_index,
+            on_target: A::from_f64(1.0 - eps),
+            per_class: A::from_f64(eps / o.cols as f64),
+            smoothing: eps > 0.0,
+        }
+    }
+}
+
+/// `(max, sum_c exp(x_c - max), sum_c x_c)` of a row; the sum of the row only when smoothing.
+#[inline(always)]
+fn row_stats<T: Float>(x: &[T], smoothing: bool) -> (T::Acc, T::Acc, T::Acc)
+where
+    T::Acc: CeMath,
+{
+    let (body, tail) = x.split_at(x.len() - x.len() % LANES);
+    let mut mx = [T::Acc::NEG_INF; LANES];
+    let mut sum = [T::Acc::ZERO; LANES];
+    for chunk in body.chunks_exact(LANES) {
+        for i in 0..LANES {
+            let v = chunk[i].to_acc();
+            // NaN never wins here; it reaches the result through the exponentials below.
+            mx[i] = if v > mx[i] { v } else { mx[i] };
+            if smoothing {
+                sum[i] += v;
+            }
+        }
+    }
+    for (i, t) in tail.iter().enumerate() {
+        let v = t.to_acc();
+        mx[i] = if v > mx[i] { v } else { mx[i] };
+        if smoothing {
+            sum[i] += v;
+        }
+    }
+    let m = mx
+        .iter()
+        .fold(T::Acc::NEG_INF, |a, &b| if b > a { b } else { a });
+    let mut se = [T::Acc::ZERO; LANES];
+    for chunk in body.chunks_exact(LANES) {
+        for i in 0..LANES {
+            se[i] += (chunk[i].to_acc() - m).exp_nonpos();
+        }
+    }
+    for (i, t) in tail.iter().enumerate() {
+        se[i] += (t.to_acc() - m).exp_nonpos();
+    }
+    (m, lane_sum(se), lane_sum(sum))
+}
+
+/// The sum of the lanes, pairwise (a fixed order).
+#[inline(always)]
+fn lane_sum<A: Acc>(v: [A; LANES]) -> A {
+    let mut w = v;
+    let mut n = LANES;
+    while n > 1 {
+        n /= 2;
+        for i in 0..n {
+            let hi = w[i + n];
+            w[i] += hi;
+        }
+    }
+    w[0]
+}
+
+/// `scale * (exp(x - lse) - per_class)`: the gradient off the target column.
+#[inline(always)]
+fn grad_of<A: CeMath>(x: A, lse: A, per_class: A, scale: A) -> A {
+    ((x - lse).exp_nonpos() - per_class) * scale
+}
+
+/// One row: its loss, and its gradient written by `write` (given the row's `lse` and scale).
+/// Returns `(loss, lse, x_t)`; ignored rows return `None`.
+#[inline(always)]
+fn row_loss<T: Float>(x: &[T], t: i64, k: &Consts<T::Acc>) -> Option<(T::Acc, T::Acc, T::Acc)>
+where
+    T::Acc: CeMath,
+{
+    if t == k.ignore_index {
+        return None;
+    }
+    let (m, se, sum) = row_stats(x, k.smoothing);
+    let lse = m + se.ln();
+    let xt = x[t as usize].to_acc();
+    let mut loss = lse - k.on_target * xt;
+    if k.smoothing {
+        loss = loss - k.per_class * sum;
+    }
+    Some((loss, lse, xt))
+}
+
+/// Rows `first..` of one task, gradient into a separate buffer (or none).
+struct RowsInto<'a, T: Float> {
+    x: &'a [T],
+    target: &'a [i64],
+    loss: &'a mut [T::Acc],
+    grad: Option<&'a mut [T]>,
+    scale: Scale<'a, T::Acc>,
+    first: usize,
+    k: Consts<T::Acc>,
+}
+
+impl<T: Float> Job for RowsInto<'_, T>
+where
+    T::Acc: CeMath,
+{
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let cols = self.k.cols;
+        let mut grad = self.grad;
+        for (r, loss) in self.loss.iter_mut().enumerate() {
+            let row = self.first + r;
+            let x = &self.x[row * cols..(row + 1) * cols];
+            let t = self.target[row];
+            let stats = row_loss(x, t, &self.k);
+            *loss = stats.map_or(T::Acc::ZERO, |(l, _, _)| l);
+            let Some(grad) = grad.as_deref_mut() else {
+                continue;
+            };
+            let g = &mut grad[r * cols..(r + 1) * cols];
+            let Some((_, lse, xt)) = stats else {
+                g.fill(T::from_acc(T::Acc::ZERO));
+                continue;
+            };
+            let scale = row_scale(&self.scale, row);
+            for (g, &x) in g.iter_mut().zip(x) {
+                *g = T::from_acc(grad_of(x.to_acc(), lse, self.k.per_class, scale));
+            }
+            g[t as usize] = T::from_acc(target_grad(xt, lse, &self.k, scale));
+        }
+    }
+}
+
+/// Rows `first..` of one task, gradient written over the logits.
+struct RowsInPlace<'a, T: Float> {
+    x: &'a mut [T],
+    target: &'a [i64],
+    loss: &'a mut [T::Acc],
+    scale: Scale<'a, T::Acc>,
+    first: usize,
+    k: Consts<T::Acc>,
+}
+
+impl<T: Float> Job for RowsInPlace<'_, T>
+where
+    T::Acc: CeMath,
+{
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let cols = self.k.cols;
+        for (r, (loss, x)) in self
+            .loss
+            .iter_mut()
+            .zip(self.x.chunks_exact_mut(cols))
+            .enumerate()
+        {
+            let row = self.first + r;
+            let t = self.target[row];
+            let Some((l, lse, xt)) = row_loss(x, t, &self.k) else {
+                *loss = T::Acc::ZERO;
+                x.fill(T::from_acc(T::Acc::ZERO));
+                continue;
+            };
+            *loss = l;
+            let scale = row_scale(&self.scale, row);
+            for v in x.iter_mut() {
+                *v = T::from_acc(grad_of(v.to_acc(), lse, self.k.per_class, scale));
+            }
+            x[t as usize] = T::from_acc(target_grad(xt, lse, &self.k, scale));
+        }
+    }
+}
+
+#[inline(always)]
+fn row_scale<A: Acc>(s: &Scale<'_, A>, row: usize) -> A {
+    match s.rows {
+        Some(rows) => s.all * rows[row],
+        None => s.all,
+    }
+}
+
+/// The gradient at the target column: `scale * (p_t - per_class - (1 - eps))`.
+#[inline(always)]
+fn target_grad<A: CeMath>(xt: A, lse: A, k: &Consts<A>, scale: A) -> A {
+    ((xt - lse).exp_nonpos() - k.per_class - k.on_target) * scale
+}
+
+fn rows_per_task(cols: usize) -> usize {
+    (TASK_ELEMS / cols.max(1)).max(1)
+}
+
+#[track_caller]
+fn check(logits: usize, target: &[i64], loss: usize, o: &Options, scale_rows: Option<usize>) {
+    let rows = target.len();
+    assert!(o.cols >= 1, "cross_entropy: cols must be at least 1");
+    assert_eq!(logits, rows * o.cols, "cross_entropy: logits length");
+    assert_eq!(loss, rows, "cross_entropy: loss length");
+    if let Some(n) = scale_rows {
+        assert_eq!(n, rows, "cross_entropy: per-row scale length");
+    }
+}
+
+/// Per-row losses of `logits` (`target.len()` rows of `o.cols`), and the gradient into `grad`
+/// (same length as `logits`) when given. Targets must have passed [`count_valid`].
+///
+/// # Panics
+/// If a length disagrees, or a target is out of range.
+pub fn forward<T: Float>(
+    logits: &[T],
+    target: &[i64],
+    o: &Options,
+    loss: &mut [T::Acc],
+    grad: Option<(&mut [T], Scale<'_, T::Acc>)>,
+    par: &dyn Parallel,
+) where
+    T::Acc: CeMath,
+{
+    check(logits.len(), target, loss.len(), o, None);
+    let k = Consts::new(o);
+    let per = rows_per_task(o.cols);
+    let (grad, scale) = match grad {
+        Some((g, s)) => {
+            assert_eq!(g.len(), logits.len(), "cross_entropy: grad length");
+            check(logits.len(), target, loss.len(), o, s.rows.map(<[_]>::len));
+            (Some(g), s)
+        }
+        None => (
+            None,
+            Scale {
+                all: T::Acc::ONE,
+                rows: None,
+            },
+        ),
+    };
+    let grads: Vec<Option<&mut [T]>> = match grad {
+        Some(g) => g.chunks_mut(per * o.cols).map(Some).collect(),
+        None => (0..loss.len().div_ceil(per)).map(|_| None).collect(),
+    };
+    let items: Vec<_> = loss.chunks_mut(per).zip(grads).collect();
+    let isa = Isa::current();
+    blocks::for_each(par, items, per * o.cols, |i, (loss, grad)| {
+        vectorize::run_with(
+            isa,
+            RowsInto {
+                x: logits,
+                target,
+                loss,
+                grad,
+                scale,
+                first: i * per,
+                k,
+            },
+        );
+    });
+}
+
+/// [`forward`] with the gradient written over the logits.
+///
+/// # Panics
+/// If a length disagrees, or a target is out of range.
+pub fn forward_in_place<T: Float>(
+    logits: &mut [T],
+    target: &[i64],
+    o: &Options,
+    loss: &mut [T::Acc],
+    scale: Scale<'_, T::Acc>,
+    par: &dyn Parallel,
+) where
+    T::Acc: CeMath,
+{
+    check(
+        logits.len(),
+        target,
+        loss.len(),
+        o,
+        scale.rows.map(<[_]>::len),
+    );
+    let k = Consts::new(o);
+    let per = rows_per_task(o.cols);
+    let items: Vec<_> = loss
+        .chunks_mut(per)
+        .zip(logits.chunks_mut(per * o.cols))
+        .collect();
+    let isa = Isa::current();
+    blocks::for_each(par, items, per * o.cols, |i, (loss, x)| {
+        vectorize::run_with(
+            isa,
+            RowsInPlace {
+                x,
+                target,
+                loss,
+                scale,
+                first: i * per,
+                k,
+            },
+        );
+    });
+}
+
+/// Rows of `cols` scaled in place by [`Scale`]; rows whose factor is exactly 1 are left alone.
+struct ScaleRows<'a, T: Float> {
+    grad: &'a mut [T],
+    cols: usize,
+    first: usize,
+    scale: Scale<'a, T::Acc>,
+}
+
+impl<T: Float> Job for ScaleRows<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for (r, row) in self.grad.chunks_exact_mut(self.cols).enumerate() {
+            let s = row_scale(&self.scale, self.first + r);
+            if s == T::Acc::ONE {
+                continue;
+            }
+            for v in row.iter_mut() {
+                *v = T::from_acc(v.to_acc() * s);
+            }
+        }
+    }
+}
+
+/// `grad *= scale` row by row, in place (rows whose factor is exactly 1 are not touched).
+///
+/// # Panics
+/// If `grad.len()` is not a multiple of `cols`, or the per-row factors do not match the rows.
+pub fn scale_in_place<T: Float>(
+    grad: &mut [T],
+    cols: usize,
+    scale: Scale<'_, T::Acc>,
+    par: &dyn Parallel,
+) {
+    let cols = cols.max(1);
+    let per = check_scale(grad.len(), cols, &scale);
+    let items: Vec<_> = grad.chunks_mut(per * cols).collect();
+    let isa = Isa::current();
+    blocks::for_each(par, items, per * cols, |i, grad| {
+        vectorize::run_with(
+            isa,
+            ScaleRows {
+                grad,
+                cols,
+                first: i * per,
+                scale,
+            },
+        );
+    });
+}
+
+/// Checks the shapes of a scaling; returns the rows per parallel task.
+#[track_caller]
+fn check_scale<A>(len: usize, cols: usize, scale: &Scale<'_, A>) -> usize {
+    let rows = len / cols;
+    assert_eq!(rows * cols, len, "cross_entropy: scale rows");
+    if let Some(r) = scale.rows {
+        assert_eq!(r.len(), rows, "cross_entropy: per-row scale length");
+    }
+    rows_per_task(cols)
+}
+
+/// `dst = src * scale` row by row.
+///
+/// # Panics
+/// As [`scale_in_place`], or if `dst` and `src` differ in length.
+pub fn scale_into<T: Float>(
+    src: &[T],
+    dst: &mut [T],
+    cols: usize,
+    scale: Scale<'_, T::Acc>,
+    par: &dyn Parallel,
+) {
+    assert_eq!(src.len(), dst.len(), "cross_entropy: scale_into lengths");
+    let cols = cols.max(1);
+    let per = check_scale(src.len(), cols, &scale);
+    let items: Vec<_> = dst.chunks_mut(per * cols).collect();
+    let isa = Isa::current();
+    blocks::for_each(par, items, per * cols, |i, d| {
+        let first = i * per;
+        let s = &src[first * cols..first * cols + d.len()];
+        for (r, (d, s)) in d
+            .chunks_exact_mut(cols)
+            .zip(s.chunks_exact(cols))
+            .enumerate()
+        {
+            let f = row_scale(&scale, first + r);
+            vectorize::run_with(isa, ScaleInto { src: s, dst: d, f });
+        }
+    });
+}
+
+/// One row of [`scale_into`].
+struct ScaleInto<'a, T: Float> {
+    src: &'a [T],
+    dst: &'a mut [T],
+    f: T::Acc,
+}
+
+impl<T: Float> Job for ScaleInto<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for (d, &v) in self.dst.iter_mut().zip(self.src) {
+            *d = T::from_acc(v.to_acc() * self.f);
+        }
+    }
+}
+
+/// The reduced loss: the sum of the per-row losses, divided by `valid` for a mean (`0 / 0` is
+/// NaN, as in PyTorch). Summed in f64 in row order.
+pub fn reduce<A: CeMath + Into<f64>>(loss: &[A], mean: bool, valid: usize) -> A {
+    let total: f64 = loss.iter().map(|&l| l.into()).sum();
+    A::from_f64(if mean { total / valid as f64 } else { total })
+}
