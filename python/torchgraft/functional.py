@@ -103,8 +103,8 @@ def cross_entropy(
             metric, not an autograd node that saved them for its backward (their version counter
             is bumped, so such a node raises instead of computing a wrong gradient), and when the
             backward runs at most once (a second one raises). ``logits`` must not be a leaf that
-            requires grad. Ignored (a new buffer is used) under ``torch.compile``, without
-            gradients, and for non-contiguous logits.
+            requires grad. Ignored (a new buffer is used) under ``torch.compile`` or any
+            tracing, without gradients, and for non-contiguous logits.
     """
     red = _reduction(reduction)
     if logits.dim() < 1:
@@ -112,12 +112,7 @@ def cross_entropy(
     rows = logits.reshape(-1, logits.shape[-1])
     flat_target = _rows_target(target, rows.shape[0])
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    in_place = (
-        inplace_backward
-        and compute_grad
-        and rows.is_contiguous()
-        and not torch.compiler.is_compiling()
-    )
+    in_place = inplace_backward and compute_grad and rows.is_contiguous() and _ce.eager(rows)
     if in_place and logits.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation."

@@ -24,9 +24,16 @@ from torch import Tensor
 
 from torchgraft.ops.native_ops import define_native_ops
 
-__all__ = ["CrossEntropyInPlace", "acc_dtype", "check_logits"]
+__all__ = ["CrossEntropyInPlace", "acc_dtype", "check_logits", "eager"]
 
 define_native_ops()
+
+
+def eager(*tensors: Tensor) -> bool:
+    """Whether this runs eagerly on plain tensors: the condition for working in place on saved
+    buffers (traced graphs, torch.compile's and opcheck's, and tensor subclasses get the
+    functional ops instead)."""
+    return not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -122,16 +129,16 @@ def _scale_grad_inplace_fake(grad: Tensor, grad_output: Tensor) -> None:
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    ctx.compute_grad = inputs[5]
-    ctx.save_for_backward(output[1])
-    ctx.mark_non_differentiable(output[1])
+    loss, grad = output
+    if inputs[5]:
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(grad)
+    else:
+        # Called without compute_grad: there is no gradient to give.
+        ctx.mark_non_differentiable(loss, grad)
 
 
 def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Tensor) -> tuple[Any, ...]:
-    if not ctx.compute_grad:
-        raise RuntimeError(
-            "torchgraft::cross_entropy was called with compute_grad=False: it has no gradient"
-        )
     (grad,) = ctx.saved_tensors
     return torch.ops.torchgraft.scale_grad(grad, grad_loss), None, None, None, None, None
 

@@ -13,7 +13,8 @@ The schemas and the chunked orchestration are native
 
 The backward of ``mean`` / ``sum`` scales the saved gradients by the upstream gradient, in place
 (``scale_grad_``: no work when it is 1, the usual ``loss.backward()``), and returns them; a second
-backward through the same graph raises. Under ``torch.compile`` it scales out of place.
+backward through the same graph raises. While traced (``torch.compile``, export, any tensor
+subclass) it scales out of place.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.cross_entropy.custom_op import acc_dtype, check_target
+from torchgraft.ops.cross_entropy.custom_op import acc_dtype, check_target, eager
 from torchgraft.ops.native_ops import define_native_ops
 
 __all__: list[str] = []
@@ -114,7 +115,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> Non
 
 
 def _scaled(ctx: Any, grads: tuple[Tensor, ...], grad_loss: Tensor) -> list[Tensor]:
-    if torch.compiler.is_compiling():
+    if not eager(*grads, grad_loss):
         return [torch.ops.torchgraft.scale_grad(g, grad_loss) for g in grads]
     if ctx.consumed:
         raise RuntimeError(
