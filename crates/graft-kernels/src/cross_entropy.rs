@@ -17,7 +17,10 @@
 //! The loops work on [`LANES`]-wide arrays with a branch-free exponential, so that the compiler
 //! vectorizes them; [`crate::vectorize`] compiles them for the best instruction set.
 
+use std::cell::RefCell;
+
 use crate::blocks;
+use crate::dispatch::kernels;
 use crate::float::{Acc, Float};
 use crate::isa::Isa;
 use crate::parallel::Parallel;
@@ -83,6 +86,25 @@ pub trait CeMath: Acc {
     fn ln(self) -> Self;
     /// `v` rounded to `Self`.
     fn from_f64(v: f64) -> Self;
+    /// Runs `f` with `len` values of this thread's scratch (reused between calls).
+    fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
+}
+
+thread_local! {
+    static SCRATCH_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
+
+fn with_scratch_in<A: Copy + Default, R>(
+    cell: &RefCell<Vec<A>>,
+    len: usize,
+    f: impl FnOnce(&mut [A]) -> R,
+) -> R {
+    let mut v = cell.borrow_mut();
+    if v.len() < len {
+        v.resize(len, A::default());
+    }
+    f(&mut v[..len])
 }
 
 impl CeMath for f32 {
@@ -103,7 +125,10 @@ impl CeMath for f32 {
         let x = self;
         // NaN stays NaN and produces NaN.
         let xc = x.clamp(LO, HI);
-        let kf = (xc * LOG2E + ROUND) - ROUND;
+        // `rounded`'s low mantissa bits hold k (ROUND's bits plus k): 2^k is built from them
+        // with integer operations, no float-to-int conversion (which would not vectorize).
+        let rounded = xc * LOG2E + ROUND;
+        let kf = rounded - ROUND;
         let r = (xc - kf * LN2_HI) - kf * LN2_LO;
         let mut p = 1.987_569_2e-4_f32;
         p = p * r + 1.398_199_9e-3;
@@ -112,9 +137,12 @@ impl CeMath for f32 {
         p = p * r + 1.666_666_5e-1;
         p = p * r + 0.5;
         let er = p * r * r + r + 1.0;
-        // k is in [-126, 127] (0 for NaN): 2^k is a normal number.
-        let k = kf as i32;
-        let two_k = f32::from_bits(((k + 127) as u32) << 23);
+        // k is in [-126, 127] (garbage for NaN, whose `er` is NaN anyway): 2^k is normal.
+        let k_biased = rounded
+            .to_bits()
+            .wrapping_sub(ROUND.to_bits())
+            .wrapping_add(127);
+        let two_k = f32::from_bits(k_biased << 23);
         let y = er * two_k;
         if x < LO {
             0.0
@@ -129,6 +157,9 @@ impl CeMath for f32 {
     #[inline(always)]
     fn from_f64(v: f64) -> f32 {
         v as f32
+    }
+    fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        SCRATCH_F32.with(|c| with_scratch_in(c, len, f))
     }
 }
 
@@ -145,6 +176,9 @@ impl CeMath for f64 {
     #[inline(always)]
     fn from_f64(v: f64) -> f64 {
         v
+    }
+    fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f64]) -> R) -> R {
+        SCRATCH_F64.with(|c| with_scratch_in(c, len, f))
     }
 }
 
@@ -174,13 +208,19 @@ impl<A: CeMath> Consts<A> {
     }
 }
 
-/// `(max, sum_c exp(x_c - max), sum_c x_c)` of a row; the sum of the row only when smoothing.
+/// `(max, sum_c exp(x_c - max), sum_c x_c)` of a row (the sum of the row only when smoothing),
+/// each exponential also stored in `e` when given.
 #[inline(always)]
-fn row_stats<T: Float>(x: &[T], smoothing: bool) -> (T::Acc, T::Acc, T::Acc)
+fn row_stats<T: Float>(
+    x: &[T],
+    smoothing: bool,
+    e: Option<&mut [T::Acc]>,
+) -> (T::Acc, T::Acc, T::Acc)
 where
     T::Acc: CeMath,
 {
-    let (body, tail) = x.split_at(x.len() - x.len() % LANES);
+    let split = x.len() - x.len() % LANES;
+    let (body, tail) = x.split_at(split);
     let mut mx = [T::Acc::NEG_INF; LANES];
     let mut sum = [T::Acc::ZERO; LANES];
     for chunk in body.chunks_exact(LANES) {
@@ -204,13 +244,32 @@ where
         .iter()
         .fold(T::Acc::NEG_INF, |a, &b| if b > a { b } else { a });
     let mut se = [T::Acc::ZERO; LANES];
-    for chunk in body.chunks_exact(LANES) {
-        for i in 0..LANES {
-            se[i] += (chunk[i].to_acc() - m).exp_nonpos();
+    match e {
+        Some(e) => {
+            let (e_body, e_tail) = e.split_at_mut(split);
+            for (chunk, ec) in body.chunks_exact(LANES).zip(e_body.chunks_exact_mut(LANES)) {
+                for i in 0..LANES {
+                    let v = (chunk[i].to_acc() - m).exp_nonpos();
+                    ec[i] = v;
+                    se[i] += v;
+                }
+            }
+            for (i, (t, ec)) in tail.iter().zip(e_tail.iter_mut()).enumerate() {
+                let v = (t.to_acc() - m).exp_nonpos();
+                *ec = v;
+                se[i] += v;
+            }
         }
-    }
-    for (i, t) in tail.iter().enumerate() {
-        se[i] += (t.to_acc() - m).exp_nonpos();
+        None => {
+            for chunk in body.chunks_exact(LANES) {
+                for i in 0..LANES {
+                    se[i] += (chunk[i].to_acc() - m).exp_nonpos();
+                }
+            }
+            for (i, t) in tail.iter().enumerate() {
+                se[i] += (t.to_acc() - m).exp_nonpos();
+            }
+        }
     }
     (m, lane_sum(se), lane_sum(sum))
 }
@@ -230,44 +289,72 @@ fn lane_sum<A: Acc>(v: [A; LANES]) -> A {
     w[0]
 }
 
-/// `scale * (exp(x - lse) - per_class)`: the gradient off the target column.
+/// One row's loss and, when `e` (`cols` values of scratch) is given, its gradient in `e`:
+/// `scale * (softmax - (1 - eps) onehot(t) - eps / cols)`. Ignored rows give zeros.
 #[inline(always)]
-fn grad_of<A: CeMath>(x: A, lse: A, per_class: A, scale: A) -> A {
-    ((x - lse).exp_nonpos() - per_class) * scale
-}
-
-/// One row: its loss, and its gradient written by `write` (given the row's `lse` and scale).
-/// Returns `(loss, lse, x_t)`; ignored rows return `None`.
-#[inline(always)]
-fn row_loss<T: Float>(x: &[T], t: i64, k: &Consts<T::Acc>) -> Option<(T::Acc, T::Acc, T::Acc)>
+fn row<T: Float>(
+    x: &[T],
+    t: i64,
+    k: &Consts<T::Acc>,
+    scale: T::Acc,
+    e: Option<&mut [T::Acc]>,
+) -> T::Acc
 where
     T::Acc: CeMath,
 {
     if t == k.ignore_index {
-        return None;
+        if let Some(e) = e {
+            e.fill(T::Acc::ZERO);
+        }
+        return T::Acc::ZERO;
     }
-    let (m, se, sum) = row_stats(x, k.smoothing);
+    let t = t as usize;
+    let xt = x[t].to_acc();
+    let (m, se, sum) = match e {
+        None => row_stats(x, k.smoothing, None),
+        Some(e) => {
+            let (m, se, sum) = row_stats(x, k.smoothing, Some(&mut *e));
+            // e holds exp(x - m): the softmax is e / se.
+            let inv = T::Acc::ONE / se;
+            let off = k.per_class * scale;
+            for v in e.iter_mut() {
+                *v = *v * inv * scale - off;
+            }
+            e[t] = e[t] - k.on_target * scale;
+            (m, se, sum)
+        }
+    };
     let lse = m + se.ln();
-    let xt = x[t as usize].to_acc();
     let mut loss = lse - k.on_target * xt;
     if k.smoothing {
         loss = loss - k.per_class * sum;
     }
-    Some((loss, lse, xt))
+    loss
 }
 
-/// Rows `first..` of one task, gradient into a separate buffer (or none).
-struct RowsInto<'a, T: Float> {
-    x: &'a [T],
+/// Where a task's rows come from and where their gradient goes.
+enum RowsData<'a, T> {
+    /// Read the logits; write the gradient into `grad` when given.
+    Read { x: &'a [T], grad: Option<&'a mut [T]> },
+    /// Read the logits, then write the gradient over them.
+    InPlace(&'a mut [T]),
+}
+
+/// Rows `first..first + loss.len()` of one task.
+struct Rows<'a, T: Float> {
+    data: RowsData<'a, T>,
     target: &'a [i64],
     loss: &'a mut [T::Acc],
-    grad: Option<&'a mut [T]>,
+    /// `cols` values of scratch (unused for the loss alone).
+    scratch: &'a mut [T::Acc],
     scale: Scale<'a, T::Acc>,
     first: usize,
     k: Consts<T::Acc>,
+    /// The vectorized narrowing of the calling thread's ISA.
+    narrow: fn(&[T::Acc], &mut [T]),
 }
 
-impl<T: Float> Job for RowsInto<'_, T>
+impl<T: Float> Job for Rows<'_, T>
 where
     T::Acc: CeMath,
 {
@@ -275,67 +362,38 @@ where
     #[inline(always)]
     fn run(self) {
         let cols = self.k.cols;
-        let mut grad = self.grad;
-        for (r, loss) in self.loss.iter_mut().enumerate() {
-            let row = self.first + r;
-            let x = &self.x[row * cols..(row + 1) * cols];
-            let t = self.target[row];
-            let stats = row_loss(x, t, &self.k);
-            *loss = stats.map_or(T::Acc::ZERO, |(l, _, _)| l);
-            let Some(grad) = grad.as_deref_mut() else {
-                continue;
-            };
-            let g = &mut grad[r * cols..(r + 1) * cols];
-            let Some((_, lse, xt)) = stats else {
-                g.fill(T::from_acc(T::Acc::ZERO));
-                continue;
-            };
-            let scale = row_scale(&self.scale, row);
-            for (g, &x) in g.iter_mut().zip(x) {
-                *g = T::from_acc(grad_of(x.to_acc(), lse, self.k.per_class, scale));
+        let Rows {
+            data,
+            target,
+            loss,
+            scratch,
+            scale,
+            first,
+            k,
+            narrow,
+        } = self;
+        match data {
+            RowsData::Read { x, grad } => {
+                let mut grad = grad;
+                for (r, loss) in loss.iter_mut().enumerate() {
+                    let xr = &x[r * cols..(r + 1) * cols];
+                    let s = row_scale(&scale, first + r);
+                    match grad.as_deref_mut() {
+                        None => *loss = row(xr, target[first + r], &k, s, None),
+                        Some(g) => {
+                            *loss = row(xr, target[first + r], &k, s, Some(&mut *scratch));
+                            narrow(scratch, &mut g[r * cols..(r + 1) * cols]);
+                        }
+                    }
+                }
             }
-            g[t as usize] = T::from_acc(target_grad(xt, lse, &self.k, scale));
-        }
-    }
-}
-
-/// Rows `first..` of one task, gradient written over the logits.
-struct RowsInPlace<'a, T: Float> {
-    x: &'a mut [T],
-    target: &'a [i64],
-    loss: &'a mut [T::Acc],
-    scale: Scale<'a, T::Acc>,
-    first: usize,
-    k: Consts<T::Acc>,
-}
-
-impl<T: Float> Job for RowsInPlace<'_, T>
-where
-    T::Acc: CeMath,
-{
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        let cols = self.k.cols;
-        for (r, (loss, x)) in self
-            .loss
-            .iter_mut()
-            .zip(self.x.chunks_exact_mut(cols))
-            .enumerate()
-        {
-            let row = self.first + r;
-            let t = self.target[row];
-            let Some((l, lse, xt)) = row_loss(x, t, &self.k) else {
-                *loss = T::Acc::ZERO;
-                x.fill(T::from_acc(T::Acc::ZERO));
-                continue;
-            };
-            *loss = l;
-            let scale = row_scale(&self.scale, row);
-            for v in x.iter_mut() {
-                *v = T::from_acc(grad_of(v.to_acc(), lse, self.k.per_class, scale));
+            RowsData::InPlace(x) => {
+                for (r, (loss, xr)) in loss.iter_mut().zip(x.chunks_exact_mut(cols)).enumerate() {
+                    let s = row_scale(&scale, first + r);
+                    *loss = row(&*xr, target[first + r], &k, s, Some(&mut *scratch));
+                    narrow(scratch, xr);
+                }
             }
-            x[t as usize] = T::from_acc(target_grad(xt, lse, &self.k, scale));
         }
     }
 }
@@ -346,12 +404,6 @@ fn row_scale<A: Acc>(s: &Scale<'_, A>, row: usize) -> A {
         Some(rows) => s.all * rows[row],
         None => s.all,
     }
-}
-
-/// The gradient at the target column: `scale * (p_t - per_class - (1 - eps))`.
-#[inline(always)]
-fn target_grad<A: CeMath>(xt: A, lse: A, k: &Consts<A>, scale: A) -> A {
-    ((xt - lse).exp_nonpos() - k.per_class - k.on_target) * scale
 }
 
 fn rows_per_task(cols: usize) -> usize {
@@ -367,6 +419,39 @@ fn check(logits: usize, target: &[i64], loss: usize, o: &Options, scale_rows: Op
     if let Some(n) = scale_rows {
         assert_eq!(n, rows, "cross_entropy: per-row scale length");
     }
+}
+
+/// Runs the tasks: `items` are each task's (loss rows, data), `per` rows each.
+fn run_rows<'a, T: Float>(
+    items: Vec<(&'a mut [T::Acc], RowsData<'a, T>)>,
+    target: &'a [i64],
+    o: &Options,
+    scale: Scale<'a, T::Acc>,
+    par: &dyn Parallel,
+) where
+    T::Acc: CeMath,
+{
+    let k = Consts::new(o);
+    let per = rows_per_task(o.cols);
+    let isa = Isa::current();
+    let narrow = kernels::<T>().narrow;
+    blocks::for_each(par, items, per * o.cols, |i, (loss, data)| {
+        T::Acc::with_scratch(o.cols, |scratch| {
+            vectorize::run_with(
+                isa,
+                Rows {
+                    data,
+                    target,
+                    loss,
+                    scratch,
+                    scale,
+                    first: i * per,
+                    k,
+                    narrow,
+                },
+            );
+        });
+    });
 }
 
 /// Per-row losses of `logits` (`target.len()` rows of `o.cols`), and the gradient into `grad`
@@ -385,42 +470,33 @@ pub fn forward<T: Float>(
     T::Acc: CeMath,
 {
     check(logits.len(), target, loss.len(), o, None);
-    let k = Consts::new(o);
     let per = rows_per_task(o.cols);
-    let (grad, scale) = match grad {
-        Some((g, s)) => {
+    let rows = per * o.cols;
+    let x = logits.chunks(rows);
+    match grad {
+        Some((g, scale)) => {
             assert_eq!(g.len(), logits.len(), "cross_entropy: grad length");
-            check(logits.len(), target, loss.len(), o, s.rows.map(<[_]>::len));
-            (Some(g), s)
+            check(logits.len(), target, loss.len(), o, scale.rows.map(<[_]>::len));
+            let items = loss
+                .chunks_mut(per)
+                .zip(x.zip(g.chunks_mut(rows)))
+                .map(|(l, (x, g))| (l, RowsData::Read { x, grad: Some(g) }))
+                .collect();
+            run_rows::<T>(items, target, o, scale, par);
         }
-        None => (
-            None,
-            Scale {
+        None => {
+            let items = loss
+                .chunks_mut(per)
+                .zip(x)
+                .map(|(l, x)| (l, RowsData::Read { x, grad: None }))
+                .collect();
+            let scale = Scale {
                 all: T::Acc::ONE,
                 rows: None,
-            },
-        ),
-    };
-    let grads: Vec<Option<&mut [T]>> = match grad {
-        Some(g) => g.chunks_mut(per * o.cols).map(Some).collect(),
-        None => (0..loss.len().div_ceil(per)).map(|_| None).collect(),
-    };
-    let items: Vec<_> = loss.chunks_mut(per).zip(grads).collect();
-    let isa = Isa::current();
-    blocks::for_each(par, items, per * o.cols, |i, (loss, grad)| {
-        vectorize::run_with(
-            isa,
-            RowsInto {
-                x: logits,
-                target,
-                loss,
-                grad,
-                scale,
-                first: i * per,
-                k,
-            },
-        );
-    });
+            };
+            run_rows::<T>(items, target, o, scale, par);
+        }
+    }
 }
 
 /// [`forward`] with the gradient written over the logits.
@@ -444,26 +520,13 @@ pub fn forward_in_place<T: Float>(
         o,
         scale.rows.map(<[_]>::len),
     );
-    let k = Consts::new(o);
     let per = rows_per_task(o.cols);
-    let items: Vec<_> = loss
+    let items = loss
         .chunks_mut(per)
         .zip(logits.chunks_mut(per * o.cols))
+        .map(|(l, x)| (l, RowsData::InPlace(x)))
         .collect();
-    let isa = Isa::current();
-    blocks::for_each(par, items, per * o.cols, |i, (loss, x)| {
-        vectorize::run_with(
-            isa,
-            RowsInPlace {
-                x,
-                target,
-                loss,
-                scale,
-                first: i * per,
-                k,
-            },
-        );
-    });
+    run_rows::<T>(items, target, o, scale, par);
 }
 
 /// Rows of `cols` scaled in place by [`Scale`]; rows whose factor is exactly 1 are left alone.

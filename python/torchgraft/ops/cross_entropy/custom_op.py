@@ -138,9 +138,23 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> 
         ctx.mark_non_differentiable(loss, grad)
 
 
+def _is_one(grad_loss: Tensor, grad: Tensor) -> bool:
+    """Whether the upstream gradient is known, without waiting for a device, to be exactly 1
+    (``loss.backward()`` on the CPU): then the saved gradient is the answer as it is."""
+    return (
+        grad_loss.device.type == "cpu"
+        and grad_loss.dim() == 0
+        and eager(grad, grad_loss)
+        and grad_loss.item() == 1.0
+    )
+
+
 def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Tensor) -> tuple[Any, ...]:
     (grad,) = ctx.saved_tensors
-    return torch.ops.torchgraft.scale_grad(grad, grad_loss), None, None, None, None, None
+    # The saved buffer may be handed out: autograd never writes into an incoming gradient
+    # (AccumulateGrad takes it only when nothing else holds it, i.e. not with retain_graph).
+    scaled = grad if _is_one(grad_loss, grad) else torch.ops.torchgraft.scale_grad(grad, grad_loss)
+    return scaled, None, None, None, None, None
 
 
 torch.library.register_autograd("torchgraft::cross_entropy", _backward, setup_context=_setup)
