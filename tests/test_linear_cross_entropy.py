@@ -149,6 +149,17 @@ def test_leading_dimensions_are_flattened():
     torch.testing.assert_close(got, want)
 
 
+def test_autocast_casts_the_matmul_like_f_linear():
+    hidden, weight, b, target = _inputs(9, 8, 12, torch.float32)
+    w = weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = tgf.linear_cross_entropy(hidden, w, target, b)
+        want = F.cross_entropy(F.linear(hidden, weight, b).float(), target)
+    got.backward()
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
 def test_retain_graph():
     hidden, weight, _, target = _inputs(9, 8, 12, torch.float32)
     h = hidden.clone().requires_grad_()

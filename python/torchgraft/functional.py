@@ -147,7 +147,8 @@ def linear_cross_entropy(
     turned into their gradient in place, and multiplied into the gradients of ``hidden``,
     ``weight`` and ``bias`` right away (those that require grad), so the full ``(N, V)`` logits
     never exist. The weight gradient accumulates in the weight's dtype (one rounding per chunk,
-    as Liger-Kernel's default). The loss is float32 (float64 for float64 inputs).
+    as Liger-Kernel's default). The loss is float32 (float64 for float64 inputs). Under
+    autocast the matmul's operands are cast as ``F.linear`` casts them.
 
     Args:
         hidden: ``(..., H)`` hidden states; the leading dimensions are flattened into rows.
@@ -168,6 +169,12 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat_target = _rows_target(target, rows.shape[0])
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        # As F.linear under autocast: the matmul's operands in the autocast dtype.
+        dtype = torch.get_autocast_dtype(device)
+        rows, weight = rows.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     grad = torch.is_grad_enabled()
     mask = [
         grad and hidden.requires_grad,

@@ -191,6 +191,8 @@ __device__ void rows_kernel(const CeRowsParams& p) {
       const A v[1] = {to_acc(x[c])};
       accumulate(v, m, s, sum, smoothing);
     }
+    // Unrolled so that several 16-byte loads are in flight per thread.
+#pragma unroll 4
     for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
       const Pack<T> pk = graft_common::load_pack(x + head + k * N);
       A v[N];
@@ -220,6 +222,7 @@ __device__ void rows_kernel(const CeRowsParams& p) {
         const A v = to_acc(x[c]);
         g[c] = from_acc<T>((fast_exp(v - lse) - per_class) * scale - (c == t ? hit : A(0)));
       }
+#pragma unroll 4
       for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
         const long long c0 = head + k * N;
         const Pack<T> pk = graft_common::load_pack(x + c0);
@@ -319,10 +322,11 @@ __device__ void scale_kernel(const CeScaleParams& p) {
 
 }  // namespace graft_ce
 
-// Entry points (src/cross_entropy.rs launches them): rows kernels with at most 1024 threads (a
-// multiple of 32), the one-block count and reduce kernels with 1024, the scale kernels with 256.
-#define GRAFT_CE_DTYPE(DT, T)                                                                 \
-  extern "C" __global__ void __launch_bounds__(1024)                                          \
+// Entry points (src/cross_entropy.rs launches them): rows kernels with at most MAXT threads (a
+// multiple of 32; one such block per SM leaves each thread up to 64 registers, 128 for double),
+// the one-block count and reduce kernels with 1024, the scale kernels with 256.
+#define GRAFT_CE_DTYPE(DT, T, MAXT)                                                           \
+  extern "C" __global__ void __launch_bounds__(MAXT, 1)                                       \
       graft_ce_rows_##DT(const graft_ce::CeRowsParams p) {                                    \
     graft_ce::rows_kernel<T>(p);                                                              \
   }                                                                                           \
@@ -331,10 +335,10 @@ __device__ void scale_kernel(const CeScaleParams& p) {
     graft_ce::scale_kernel<T>(p);                                                             \
   }
 
-GRAFT_CE_DTYPE(f32, float)
-GRAFT_CE_DTYPE(f64, double)
-GRAFT_CE_DTYPE(f16, __half)
-GRAFT_CE_DTYPE(bf16, __nv_bfloat16)
+GRAFT_CE_DTYPE(f32, float, 1024)
+GRAFT_CE_DTYPE(f64, double, 512)
+GRAFT_CE_DTYPE(f16, __half, 1024)
+GRAFT_CE_DTYPE(bf16, __nv_bfloat16, 1024)
 
 extern "C" __global__ void __launch_bounds__(1024) graft_ce_count(const graft_ce::CeCountParams p) {
   graft_ce::count_kernel(p);

@@ -202,11 +202,12 @@ impl RowsTuning {
     }
 
     /// Threads for rows of `cols` elements of `dtype`: enough for one 16-byte pack each, in
-    /// whole warps, at most `self.threads`.
+    /// whole warps, at most `self.threads` and the kernel's bound (512 for F64, else 1024).
     fn threads_for(self, cols: usize, dtype: DType) -> u32 {
+        let bound = if dtype == DType::F64 { 512 } else { 1024 };
         let packs = cols.div_ceil(16 / dtype.size()) as u64;
         let warps = packs.div_ceil(32).max(1);
-        (warps * 32).min(u64::from(self.threads)) as u32
+        (warps * 32).min(u64::from(self.threads.min(bound))) as u32
     }
 }
 
@@ -460,6 +461,7 @@ mod tests {
         assert_eq!(t.threads_for(1000, DType::BF16), 128);
         assert_eq!(t.threads_for(1, DType::F32), 32);
         assert_eq!(t.threads_for(33, DType::F64), 32);
+        assert_eq!(t.threads_for(100_000, DType::F64), 512);
         let small = RowsTuning {
             threads: 256,
             blocks_per_sm: 4,

@@ -10,9 +10,10 @@
 //!
 //! which is PyTorch's `cross_entropy(x.float(), t, label_smoothing=eps)` per row. Rows whose
 //! target is `ignore_index` get a zero loss and a zero gradient. Arithmetic happens in `T::Acc`
-//! (f32, f64 for f64): each row is read three times (max, sum of exponentials, gradient), from
-//! cache after the first, and the gradient is rounded once to `T`. The gradient may be written
-//! over the logits themselves ([`forward_in_place`]).
+//! (f32, f64 for f64). Each row is read twice (its maximum, then its exponentials, stored in a
+//! per-thread scratch row in `T::Acc`; the second read comes from cache); the gradient is made
+//! in the scratch row and narrowed once to `T` by the ISA's vectorized conversion, possibly over
+//! the logits themselves ([`forward_in_place`]).
 //!
 //! The loops work on [`LANES`]-wide arrays with a branch-free exponential, so that the compiler
 //! vectorizes them; [`crate::vectorize`] compiles them for the best instruction set.
@@ -29,7 +30,7 @@ use crate::vectorize::{self, Job};
 /// Lanes of the arrays the row loops work on (one AVX-512 vector of f32, two of AVX2).
 const LANES: usize = 16;
 
-/// Row elements per parallel task, about.
+/// Elements per parallel task, about (whole rows for the loss).
 const TASK_ELEMS: usize = 1 << 15;
 
 /// The loss's parameters.
@@ -315,10 +316,10 @@ where
         Some(e) => {
             let (m, se, sum) = row_stats(x, k.smoothing, Some(&mut *e));
             // e holds exp(x - m): the softmax is e / se.
-            let inv = T::Acc::ONE / se;
+            let f = scale / se;
             let off = k.per_class * scale;
             for v in e.iter_mut() {
-                *v = *v * inv * scale - off;
+                *v = *v * f - off;
             }
             e[t] = e[t] - k.on_target * scale;
             (m, se, sum)
@@ -529,31 +530,114 @@ pub fn forward_in_place<T: Float>(
     run_rows::<T>(items, target, o, scale, par);
 }
 
-/// Rows of `cols` scaled in place by [`Scale`]; rows whose factor is exactly 1 are left alone.
-struct ScaleRows<'a, T: Float> {
-    grad: &'a mut [T],
-    cols: usize,
-    first: usize,
-    scale: Scale<'a, T::Acc>,
+/// Elements converted at a time through the scratch when scaling.
+const PIECE: usize = 4096;
+
+/// What a scaling task reads and writes.
+enum ScaleData<'a, T> {
+    Into { src: &'a [T], dst: &'a mut [T] },
+    InPlace(&'a mut [T]),
 }
 
-impl<T: Float> Job for ScaleRows<'_, T> {
+/// Elements `first..first + len` of a gradient of rows of `cols`, times their row's factor:
+/// widened into the scratch, multiplied, narrowed (the ISA's vectorized conversions). In place,
+/// pieces whose factor is exactly 1 are left alone.
+struct ScaleTask<'a, T: Float> {
+    data: ScaleData<'a, T>,
+    first: usize,
+    cols: usize,
+    scale: Scale<'a, T::Acc>,
+    scratch: &'a mut [T::Acc],
+    widen: fn(&[T], &mut [T::Acc]),
+    narrow: fn(&[T::Acc], &mut [T]),
+}
+
+impl<T: Float> Job for ScaleTask<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
-        for (r, row) in self.grad.chunks_exact_mut(self.cols).enumerate() {
-            let s = row_scale(&self.scale, self.first + r);
-            if s == T::Acc::ONE {
-                continue;
+        let ScaleTask {
+            mut data,
+            first,
+            cols,
+            scale,
+            scratch,
+            widen,
+            narrow,
+        } = self;
+        let len = match &data {
+            ScaleData::Into { dst, .. } => dst.len(),
+            ScaleData::InPlace(x) => x.len(),
+        };
+        let mut i = 0;
+        while i < len {
+            let row = (first + i) / cols;
+            let end = len.min(i + PIECE).min((row + 1) * cols - first);
+            let f = row_scale(&scale, row);
+            let buf = &mut scratch[..end - i];
+            match &mut data {
+                ScaleData::Into { src, dst } => {
+                    widen(&src[i..end], buf);
+                    for v in buf.iter_mut() {
+                        *v = *v * f;
+                    }
+                    narrow(buf, &mut dst[i..end]);
+                }
+                ScaleData::InPlace(_) if f == T::Acc::ONE => {}
+                ScaleData::InPlace(x) => {
+                    widen(&x[i..end], buf);
+                    for v in buf.iter_mut() {
+                        *v = *v * f;
+                    }
+                    narrow(buf, &mut x[i..end]);
+                }
             }
-            for v in row.iter_mut() {
-                *v = T::from_acc(v.to_acc() * s);
-            }
+            i = end;
         }
     }
 }
 
-/// `grad *= scale` row by row, in place (rows whose factor is exactly 1 are not touched).
+/// Checks the shapes of a scaling (rows of `cols`, per-row factors matching).
+#[track_caller]
+fn check_scale<A>(len: usize, cols: usize, scale: &Scale<'_, A>) {
+    let rows = len / cols;
+    assert_eq!(rows * cols, len, "cross_entropy: scale rows");
+    if let Some(r) = scale.rows {
+        assert_eq!(r.len(), rows, "cross_entropy: per-row scale length");
+    }
+}
+
+/// Runs the scaling tasks over `items` (each `TASK_ELEMS` elements but the last).
+fn run_scale<'a, T: Float>(
+    items: Vec<ScaleData<'a, T>>,
+    cols: usize,
+    scale: Scale<'a, T::Acc>,
+    par: &dyn Parallel,
+) where
+    T::Acc: CeMath,
+{
+    let isa = Isa::current();
+    let table = kernels::<T>();
+    blocks::for_each(par, items, TASK_ELEMS, |i, data| {
+        T::Acc::with_scratch(PIECE, |scratch| {
+            vectorize::run_with(
+                isa,
+                ScaleTask {
+                    data,
+                    first: i * TASK_ELEMS,
+                    cols,
+                    scale,
+                    scratch,
+                    widen: table.widen,
+                    narrow: table.narrow,
+                },
+            );
+        });
+    });
+}
+
+/// `grad *= scale` row by row (rows of `cols`), in place; elements whose factor is exactly 1
+/// are not touched.
 ///
 /// # Panics
 /// If `grad.len()` is not a multiple of `cols`, or the per-row factors do not match the rows.
@@ -562,36 +646,16 @@ pub fn scale_in_place<T: Float>(
     cols: usize,
     scale: Scale<'_, T::Acc>,
     par: &dyn Parallel,
-) {
+) where
+    T::Acc: CeMath,
+{
     let cols = cols.max(1);
-    let per = check_scale(grad.len(), cols, &scale);
-    let items: Vec<_> = grad.chunks_mut(per * cols).collect();
-    let isa = Isa::current();
-    blocks::for_each(par, items, per * cols, |i, grad| {
-        vectorize::run_with(
-            isa,
-            ScaleRows {
-                grad,
-                cols,
-                first: i * per,
-                scale,
-            },
-        );
-    });
+    check_scale(grad.len(), cols, &scale);
+    let items = grad.chunks_mut(TASK_ELEMS).map(ScaleData::InPlace).collect();
+    run_scale(items, cols, scale, par);
 }
 
-/// Checks the shapes of a scaling; returns the rows per parallel task.
-#[track_caller]
-fn check_scale<A>(len: usize, cols: usize, scale: &Scale<'_, A>) -> usize {
-    let rows = len / cols;
-    assert_eq!(rows * cols, len, "cross_entropy: scale rows");
-    if let Some(r) = scale.rows {
-        assert_eq!(r.len(), rows, "cross_entropy: per-row scale length");
-    }
-    rows_per_task(cols)
-}
-
-/// `dst = src * scale` row by row.
+/// `dst = src * scale` row by row (rows of `cols`), each element rounded once.
 ///
 /// # Panics
 /// As [`scale_in_place`], or if `dst` and `src` differ in length.
@@ -601,41 +665,18 @@ pub fn scale_into<T: Float>(
     cols: usize,
     scale: Scale<'_, T::Acc>,
     par: &dyn Parallel,
-) {
+) where
+    T::Acc: CeMath,
+{
     assert_eq!(src.len(), dst.len(), "cross_entropy: scale_into lengths");
     let cols = cols.max(1);
-    let per = check_scale(src.len(), cols, &scale);
-    let items: Vec<_> = dst.chunks_mut(per * cols).collect();
-    let isa = Isa::current();
-    blocks::for_each(par, items, per * cols, |i, d| {
-        let first = i * per;
-        let s = &src[first * cols..first * cols + d.len()];
-        for (r, (d, s)) in d
-            .chunks_exact_mut(cols)
-            .zip(s.chunks_exact(cols))
-            .enumerate()
-        {
-            let f = row_scale(&scale, first + r);
-            vectorize::run_with(isa, ScaleInto { src: s, dst: d, f });
-        }
-    });
-}
-
-/// One row of [`scale_into`].
-struct ScaleInto<'a, T: Float> {
-    src: &'a [T],
-    dst: &'a mut [T],
-    f: T::Acc,
-}
-
-impl<T: Float> Job for ScaleInto<'_, T> {
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        for (d, &v) in self.dst.iter_mut().zip(self.src) {
-            *d = T::from_acc(v.to_acc() * self.f);
-        }
-    }
+    check_scale(src.len(), cols, &scale);
+    let items = src
+        .chunks(TASK_ELEMS)
+        .zip(dst.chunks_mut(TASK_ELEMS))
+        .map(|(src, dst)| ScaleData::Into { src, dst })
+        .collect();
+    run_scale(items, cols, scale, par);
 }
 
 /// The reduced loss: the sum of the per-row losses, divided by `valid` for a mean (`0 / 0` is

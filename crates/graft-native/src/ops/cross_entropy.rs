@@ -547,7 +547,7 @@ fn scale_cpu_typed<T>(
 ) -> Result<()>
 where
     T: Float + Element,
-    T::Acc: Element,
+    T::Acc: CeMath + Element,
 {
     let f = factors.as_slice::<T::Acc>()?;
     let n = src.numel()?;
