@@ -12,8 +12,11 @@ CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0
 # transformers (5.17, as on the GPU machines) and kernels (0.16.x, the range transformers 5.17 accepts):
 # model adoption and the end-to-end benchmark are tested on tiny models built from configs.
 PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2" hypothesis transformers==5.17.0 "kernels>=0.16,<0.17"
+# Helion (the Helion RMSNorm's CPU tests run its generated Triton in Triton's interpreter):
+# 1.5.x needs torch >= 2.13 (torchgraft/dsl/helion.py), 1.4.0 runs on 2.11 and 2.12.
+HELION := $(if $(filter 2.11.% 2.12.%,$(TORCH)),helion==1.4.0,helion==1.5.1)
 # The stamp names the package list, so changing it reinstalls.
-DEPS_STAMP := $(VENV)/.torchgraft-deps-$(shell echo '$(TORCH) $(PY_TOOLS) $(CUDA_TOOLS)' | md5sum | cut -c1-12)
+DEPS_STAMP := $(VENV)/.torchgraft-deps-$(shell echo '$(TORCH) $(PY_TOOLS) $(HELION) $(CUDA_TOOLS)' | md5sum | cut -c1-12)
 # graft-cuda's build script compiles the CUDA kernels with $NVCC when it is set.
 WITH_NVCC = NVCC="$$(ls $(abspath $(VENV))/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
 
@@ -27,7 +30,7 @@ test: test-rust test-host test-python
 $(DEPS_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH) $(PY_TOOLS) $(CUDA_TOOLS)
+	$(PY) -m pip install -q torch==$(TORCH) $(PY_TOOLS) $(HELION) $(CUDA_TOOLS)
 	touch $@
 
 deps: $(DEPS_STAMP)

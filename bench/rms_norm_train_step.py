@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,20 +38,11 @@ from torchgraft.bench.rms_norm import (
     run_once,
     timed_call,
 )
+from torchgraft.bench.timing import alternating_rounds
 
 ROUTES = ("aten", "compile", "torchgraft-native", "torchgraft-triton")
 SHAPES = ("1024x1024", "1024x2048", "4096x2048", "1024x4096", "4096x4096", "16384x4096",
           "1024x8192", "8x4096x4096")  # fmt: skip
-
-
-def steps_ms(fn: Callable[[], object], steps: int) -> float:
-    """Milliseconds per step of `steps` back-to-back calls with one synchronisation."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -90,18 +80,21 @@ def run_shape(shape: tuple[int, ...], dtype: torch.dtype, steps: int, rounds: in
                 if route.graft_prefix
                 else None
             ),
-            "round_ms": [],
         }
         calls[name] = timed_call(fn, inputs, "fwd+bwd")
-    for _ in range(rounds):
-        for name, call in calls.items():
-            with by_name[name].dispatch():
-                # Entering a route (re)registers its grafts; a first call can pay one-time
-                # costs there, which a training loop pays once, not per step.
-                steps_ms(call, 3)
-                result["routes"][name]["round_ms"].append(steps_ms(call, steps))
+    # Entering a route (re)registers its grafts; a first call can pay one-time costs there,
+    # which a training loop pays once, not per step: the rounds' warm-up calls absorb them.
+    round_ms = alternating_rounds(
+        calls,
+        problem.device,
+        rounds=rounds,
+        steps=steps,
+        warmup=3,
+        around=lambda name: by_name[name].dispatch(),
+    )
     for name in calls:
         entry = result["routes"][name]
+        entry["round_ms"] = round_ms[name]
         entry["median_ms"] = statistics.median(entry["round_ms"])
     base = result["routes"].get("aten", {}).get("median_ms")
     for name in calls:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,14 @@ def clean_overrides() -> Iterator[None]:
     registry.clear_overrides()
     yield
     registry.clear_overrides()
+
+
+@pytest.fixture
+def fake_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory first on sys.path for stand-in DSL packages (see dsl_fakes.py)."""
+    from dsl_fakes import fake_site
+
+    yield from fake_site(tmp_path, monkeypatch)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

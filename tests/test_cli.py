@@ -550,9 +550,9 @@ def test_doctor_uses_registry_dsl_helpers(monkeypatch, capsys):
 
 def _rows(out: str) -> list[list[str]]:
     lines = out.splitlines()
-    assert lines[0].split() == ["OP", "KEY", "ROUTE", "STATE", "CALLS", "FALLBACKS"]
+    assert lines[0].split() == ["OP", "KEY", "ROUTE", "STATE", "CALLS", "FALLBACKS", "TAKES"]
     return [
-        line.split()
+        line.split()[:6]  # the TAKES column is free text
         for line in lines[1:]
         if line.strip() and not line.startswith(("(", "torchgraft is"))
     ]

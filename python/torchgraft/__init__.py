@@ -3,9 +3,12 @@
 Importing torchgraft changes nothing and imports no kernel DSL. :func:`enable` (or the scoped
 ``with torchgraft.enabled():``) installs torchgraft's grafts; unchanged model code then runs them.
 :func:`register_op_override` grafts your own kernel, written in any DSL, the way ``torch._native``
-does on torch 2.13, on torch 2.11, 2.12 and 2.13+.
+does on torch 2.13, on torch 2.11, 2.12 and 2.13+. :func:`adopt` routes a model's hand-written
+layers (RMSNorm, ...) to the operators torchgraft grafts, verified equal first; :func:`unadopt`
+undoes it.
 """
 
+from torchgraft.adopt import AdoptionReport, adopt, unadopt
 from torchgraft.control import disable, enable, enabled, is_enabled, reset_stats, stats
 from torchgraft.registry import (
     clear_overrides,
@@ -19,6 +22,8 @@ from torchgraft.registry import (
 )
 
 __all__ = [
+    "AdoptionReport",
+    "adopt",
     "clear_overrides",
     "deregister_op_overrides",
     "disable",
@@ -33,4 +38,5 @@ __all__ = [
     "reset_stats",
     "stats",
     "suspend_routers",
+    "unadopt",
 ]

@@ -156,6 +156,8 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from torchgraft.bench import harness, results, table
 
     op = harness.OPS.get(args.op)
+    if args.op == "model":
+        raise CliError("put the options after 'model': torchgraft bench model [options]")
     if op is None:
         raise CliError(f"unknown op {args.op!r}; known: {', '.join(harness.OPS)}")
     device = parse_device(args.device)
@@ -226,7 +228,15 @@ _DSL_FALLBACK = {
     "helion": ("helion", "helion"),
     "cutile": ("cuda-tile", "cuda.tile"),
 }
-_OPTIONAL_PACKAGES = ("numpy", "matplotlib", "liger-kernel", "nvidia-cutlass-dsl")
+_OPTIONAL_PACKAGES = (
+    "numpy",
+    "matplotlib",
+    "liger-kernel",
+    "nvidia-cutlass-dsl",
+    "flash-attn-4",
+    "quack-kernels",
+    "apache-tvm-ffi",
+)
 
 
 def _version_of(distribution: str) -> str | None:
@@ -263,6 +273,7 @@ def _dsl_facts() -> dict[str, dict[str, Any]]:
                 "package": getattr(module, "PACKAGE", None),
                 "unusable": dsl_unusable_reason(name),
             }
+            facts[name].update(_dsl_extras(module))
         return facts
     for name, (package, module_name) in _DSL_FALLBACK.items():
         version = _version_of(package)
@@ -276,6 +287,26 @@ def _dsl_facts() -> dict[str, dict[str, Any]]:
             "unusable": None if installed else f"{name} is not installed ({package})",
         }
     return facts
+
+
+def _dsl_extras(module: Any) -> dict[str, Any]:
+    """Kernel libraries written in the DSL (CuteDSL: FA4, quack) and its compiler (cuTile:
+    tileiras), found without importing them."""
+    extras: dict[str, Any] = {}
+    libraries = getattr(module, "LIBRARIES", None)
+    if libraries:
+        extras["libraries"] = {}
+        for library in libraries:
+            version = module.library_version(library)
+            extras["libraries"][library] = {
+                "version": str(version) if version is not None else None,
+                "unusable": module.library_unusable_reason(library),
+            }
+    tileiras_version = getattr(module, "tileiras_version", None)
+    if tileiras_version is not None and module.runtime_available():
+        version = tileiras_version()
+        extras["tileiras"] = str(version) if version is not None else None
+    return extras
 
 
 def _cuda_facts() -> dict[str, Any]:
@@ -489,6 +520,13 @@ def _print_doctor(facts: dict[str, Any]) -> None:
         else:
             text = f"not installed ({dsl['package']})"
         row(name, text)
+        if "tileiras" in dsl:
+            row("tileiras", dsl["tileiras"] or "not found (needed to compile)", 4)
+        for library, lib in dsl.get("libraries", {}).items():
+            lib_text = lib["version"] or "not installed"
+            if lib["version"] and lib["unusable"]:
+                lib_text += f" (not used: {lib['unusable']})"
+            row(library, lib_text, 4)
     print()
     print("other packages")
     for name, version in facts["packages"].items():
@@ -528,6 +566,9 @@ def _registry_rows() -> list[dict[str, Any]]:
     list_overrides = getattr(registry, "list_overrides", None)
     if list_overrides is None:
         return []
+    from torchgraft.ops import gate_notes
+
+    notes = gate_notes()
     rows = []
     for o in list_overrides():
         installed = getattr(o, "installed", True)
@@ -543,6 +584,7 @@ def _registry_rows() -> list[dict[str, Any]]:
                 "calls": o.calls,
                 "fallbacks": getattr(o, "fallbacks", None),
                 "source": "torchgraft.registry",
+                "why": notes.get((o.dsl, o.op.removeprefix("aten::"))),
             }
         )
     return rows
@@ -594,9 +636,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"enabled": torchgraft.is_enabled(), "grafts": rows}, indent=1))
         return 0
-    columns = ("op", "dispatch_key", "route", "state", "calls", "fallbacks")
-    headers = ("OP", "KEY", "ROUTE", "STATE", "CALLS", "FALLBACKS")
-    cells = [[("-" if r[c] is None else str(r[c])) for c in columns] for r in rows]
+    columns = ("op", "dispatch_key", "route", "state", "calls", "fallbacks", "why")
+    headers = ("OP", "KEY", "ROUTE", "STATE", "CALLS", "FALLBACKS", "TAKES")
+    cells = [[("-" if r.get(c) is None else str(r[c])) for c in columns] for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for c in cells:
@@ -634,7 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=5, help="timing rounds (default 5)")
 
     bench = sub.add_parser("bench", help="every route of an op side by side: table, JSON, plot")
-    bench.add_argument("op", help="op to benchmark (rms_norm)")
+    bench.add_argument(
+        "op", help="op to benchmark (rms_norm), or model (see 'torchgraft bench model --help')"
+    )
     bench.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     bench.add_argument(
         "--dtype", help="bf16, fp16, fp32 or fp64 (default: bf16 on CUDA, fp32 on CPU)"
@@ -666,6 +710,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
+        if args_list[:2] == ["bench", "model"]:  # its own options: torchgraft/bench/model_command
+            from torchgraft.bench import model_command
+
+            return model_command.main(args_list[2:])
         args = parser.parse_args(args_list)
         if args.version:
             from torchgraft.bench.harness import torchgraft_version

@@ -7,9 +7,10 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from torchgraft import native, registry
-from torchgraft.ops import rms_norm
+from torchgraft.ops import attention, rms_norm
 
 log = logging.getLogger("torchgraft")
 
@@ -26,9 +27,23 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-ROUTES = ("native", "triton")
+ROUTES = ("native", "triton", "cutedsl", "helion")
 """The routes :func:`enable` can install: ``"native"`` (Rust CPU and CUDA C++ kernels through the
-stable C ABI) and ``"triton"`` (the op library's Triton kernels through the registry, CUDA)."""
+stable C ABI), and the op library's DSL kernels through the registry, on CUDA: ``"triton"``
+(RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's RMSNorm) and ``"helion"``
+(RMSNorm)."""
+
+# When enable() without routes installs each (route, op package): always, only where the native
+# route has no CUDA kernels (the same op, with less host overhead), or only when named.
+_ALWAYS, _NO_NATIVE_CUDA, _NAMED = "always", "no native CUDA kernels", "when named"
+_GRAFTS: tuple[tuple[str, Any, str], ...] = (
+    ("triton", rms_norm, _NO_NATIVE_CUDA),
+    # FA4 has no native sibling; its conds take only problems where it was measured faster.
+    ("cutedsl", attention, _ALWAYS),
+    # quack's RMSNorm ran on par with the native kernel (182.8 vs 183.4 us at 8x4096x4096).
+    ("cutedsl", rms_norm, _NAMED),
+    ("helion", rms_norm, _NAMED),
+)
 
 
 def enable(routes: Iterable[str] | None = None) -> None:
@@ -38,10 +53,12 @@ def enable(routes: Iterable[str] | None = None) -> None:
     kernels wherever they apply, in forward and backward; everything else runs as before.
 
     Args:
-        routes: which routes to install (see :data:`ROUTES`). By default the native route, and
-            the Triton route where the native route has no CUDA kernels (both cover the same ops
-            on CUDA; the native one launches with less host overhead). With both, the Triton
-            overrides sit on top and fall back to the native kernels outside their size gate.
+        routes: which routes to install (see :data:`ROUTES`). By default the native route, the
+            Triton route where the native route has no CUDA kernels (both cover the same ops
+            on CUDA; the native one launches with less host overhead), and FlashAttention-4
+            under SDPA where it was measured faster (when flash-attn-4 is installed). Named
+            routes install all their kernels; registry overrides sit on top of the native
+            kernels and fall back to them outside their conds.
 
     Idempotent: calling it again while enabled changes nothing (call :func:`disable` first to
     switch routes). ``TORCHGRAFT_DISABLE=1`` turns it into a no-op.
@@ -59,8 +76,14 @@ def enable(routes: Iterable[str] | None = None) -> None:
             return
         if "native" in wanted:
             _enable_native()
-        if "triton" in wanted and (routes is not None or not _native_covers_cuda()):
-            rms_norm.register()
+        for route, package, default in _GRAFTS:
+            if route not in wanted:
+                continue
+            if routes is None and (
+                default == _NAMED or (default == _NO_NATIVE_CUDA and _native_covers_cuda())
+            ):
+                continue
+            package.register(route)
         _enabled = True
 
 
@@ -83,7 +106,8 @@ def disable() -> None:
     """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
     global _enabled
     with _lock:
-        rms_norm.deregister()
+        for _route, package, _default in _GRAFTS:
+            package.deregister()
         with registry.suspend_routers():
             native.disable()
         _enabled = False
@@ -112,13 +136,14 @@ def stats() -> dict[str, dict[str, int]]:
     """Per-graft counters: ``{"native/aten::_fused_rms_norm/CPU": {"calls": 3, "fallbacks": 0}}``.
 
     Native grafts: ``calls`` counts calls that reached the kernel, ``fallbacks`` those it computed
-    by a slower general path. Python-route overrides (keys ``"<dsl>/<op>/<key>"``): ``calls``
+    by a slower general path. torchgraft's own operators' kernels (``native/torchgraft::swiglu/CPU``)
+    count the same way. Python-route overrides (keys ``"<dsl>/<op>/<key>"``): ``calls``
     counts impl runs, ``fallbacks`` calls passed on to the kernel below (cond false, or the impl
     called the op again).
     """
     native_stats = {
         f"native/{g.op}/{g.dispatch_key}": {"calls": g.calls, "fallbacks": g.fallbacks}
-        for g in native.grafts()
+        for g in native.grafts() + native.op_kernels()
     }
     return native_stats | registry.override_stats()
 

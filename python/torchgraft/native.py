@@ -66,6 +66,16 @@ def grafts() -> list[NativeGraft]:
     return [NativeGraft(**g) for g in _native.grafts()]
 
 
+def op_kernels() -> list[NativeGraft]:
+    """The kernels of torchgraft's own operators (``torchgraft::swiglu``...) at each dispatch key,
+    with their counters; ``active`` once :mod:`torchgraft.functional` has defined them."""
+    if not available():
+        return []
+    from torchgraft import _native
+
+    return [NativeGraft(**g) for g in _native.op_kernels()]
+
+
 def build_info() -> dict[str, object]:
     """What the extension was built with and found here (version, CUDA kernels, GPUs or why
     the CUDA grafts are off); empty when the extension is not built."""

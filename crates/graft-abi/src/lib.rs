@@ -29,7 +29,7 @@ pub use error::{Error, Result};
 pub use kernel::{panic_message, Kernel};
 pub use library::Library;
 pub use stack::{CallArgs, CallOutputs, FromStable, IntoStable, KernelArgs, KernelOutputs};
-pub use tensor::{contiguous_strides, MutTensor, NewTensor, Tensor};
+pub use tensor::{contiguous_strides, in_place_views, NewTensor, Tensor};
 
 /// Loads the stable-ABI table now, checking that this torch is one we support.
 ///

@@ -9,7 +9,7 @@
 use crate::dtype::DType;
 use crate::error::{check, Error, Result};
 use crate::sys::{api, StableIValue, StableListHandle};
-use crate::tensor::{MutTensor, Tensor};
+use crate::tensor::Tensor;
 
 /// A schema value a kernel can receive: converting takes ownership of whatever the slot owns.
 pub trait FromStable: Sized {
@@ -28,13 +28,6 @@ impl FromStable for Tensor {
     unsafe fn from_stable(value: StableIValue) -> Result<Tensor> {
         // SAFETY: a Tensor slot is an owning AtenTensorHandle (caller's contract).
         unsafe { Tensor::from_raw(value as usize as *mut _) }
-    }
-}
-
-impl FromStable for MutTensor {
-    unsafe fn from_stable(value: StableIValue) -> Result<MutTensor> {
-        // SAFETY: as for Tensor; the schema declares this argument mutable (caller's contract).
-        Ok(MutTensor::new(unsafe { Tensor::from_stable(value) }?))
     }
 }
 
@@ -293,14 +286,6 @@ macro_rules! tuple_impls {
     };
 }
 
-/// No outputs (a schema returning `()`, e.g. an in-place operator).
-impl KernelOutputs for () {
-    const COUNT: usize = 0;
-    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
-        Ok(())
-    }
-}
-
 tuple_impls!(1; A 0);
 tuple_impls!(2; A 0, B 1);
 tuple_impls!(3; A 0, B 1, C 2);
@@ -309,3 +294,26 @@ tuple_impls!(5; A 0, B 1, C 2, D 3, E 4);
 tuple_impls!(6; A 0, B 1, C 2, D 3, E 4, F 5);
 tuple_impls!(7; A 0, B 1, C 2, D 3, E 4, F 5, G 6);
 tuple_impls!(8; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
+tuple_impls!(9; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8);
+tuple_impls!(10; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9);
+tuple_impls!(11; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10);
+tuple_impls!(12; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11);
+tuple_impls!(13; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12);
+tuple_impls!(14; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13);
+tuple_impls!(15; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14);
+
+/// An operator that returns nothing (`-> ()`, e.g. in-place optimizer steps).
+impl KernelOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A dispatcher call of an operator that returns nothing.
+impl CallOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn take(_stack: *const StableIValue) -> Result<()> {
+        Ok(())
+    }
+}

@@ -142,6 +142,33 @@ impl Tensor {
         Ok(getter!(self, aoti_torch_is_contiguous, bool))
     }
 
+    /// Whether the elements fill a dense block of memory in some order of the dimensions, with no
+    /// overlap (ATen's `is_non_overlapping_and_dense`): contiguous or a permutation of it.
+    pub fn is_dense(&self) -> Result<bool> {
+        if self.is_contiguous()? {
+            return Ok(true);
+        }
+        let mut dims: Vec<(i64, i64)> = self
+            .sizes()?
+            .iter()
+            .copied()
+            .zip(self.strides()?.iter().copied())
+            .filter(|&(size, _)| size != 1)
+            .collect();
+        if dims.iter().any(|&(size, _)| size == 0) {
+            return Ok(true);
+        }
+        dims.sort_by_key(|&(_, stride)| stride);
+        let mut expected = 1;
+        for (size, stride) in dims {
+            if stride != expected {
+                return Ok(false);
+            }
+            expected *= size;
+        }
+        Ok(true)
+    }
+
     /// Address of the first element (device memory for CUDA tensors).
     pub fn data_ptr(&self) -> Result<*mut c_void> {
         Ok(getter!(
@@ -228,6 +255,66 @@ impl Tensor {
     }
 }
 
+/// Writable views of the data of CPU tensors that an operator updates in place (the
+/// `Tensor(a!)` arguments of its schema), one per tensor, in order, each in memory order.
+///
+/// Every tensor must be a CPU tensor of `T` whose elements fill a dense block of memory
+/// ([`Tensor::is_dense`]), and no two may share memory: both are checked, so the views are
+/// disjoint. The `&mut` borrows keep these handles from being viewed again while the views
+/// live; a kernel asking for them views no other handle to the same data.
+pub fn in_place_views<T: Element>(tensors: Vec<&mut Tensor>) -> Result<Vec<&mut [T]>> {
+    let mut spans = Vec::with_capacity(tensors.len());
+    for t in &tensors {
+        let dtype = t.dtype()?;
+        crate::ensure!(
+            dtype == T::DTYPE,
+            "expected a {} tensor, got {dtype}",
+            T::DTYPE
+        );
+        let device = t.device()?;
+        crate::ensure!(
+            device.kind == DeviceType::CPU,
+            "expected a CPU tensor, got {device}"
+        );
+        crate::ensure!(t.is_dense()?, "expected a dense tensor");
+        let len = t.numel()?;
+        let ptr = t.data_ptr()? as *mut T;
+        if len == 0 {
+            spans.push((NonNull::<T>::dangling().as_ptr(), 0));
+            continue;
+        }
+        crate::ensure!(
+            (ptr as usize).is_multiple_of(std::mem::align_of::<T>()),
+            "tensor data is not aligned for {}",
+            T::DTYPE
+        );
+        spans.push((ptr, len));
+    }
+    let bytes = |(ptr, len): (*mut T, usize)| {
+        let start = ptr as usize;
+        (start, start + len * std::mem::size_of::<T>())
+    };
+    for (i, &a) in spans.iter().enumerate() {
+        for (j, &b) in spans.iter().enumerate().skip(i + 1) {
+            let ((a0, a1), (b0, b1)) = (bytes(a), bytes(b));
+            crate::ensure!(
+                a0 == a1 || b0 == b1 || a1 <= b0 || b1 <= a0,
+                "in-place arguments {i} and {j} share memory"
+            );
+        }
+    }
+    Ok(spans
+        .into_iter()
+        // SAFETY: each tensor was checked to be a CPU tensor of `T`, aligned, whose `len`
+        // elements fill the block of memory that starts at its data pointer (dense, so every
+        // stride is positive and the first element has the lowest address); the storage lives
+        // as long as the borrowed handle. The spans were just checked to be pairwise
+        // disjoint, so no two views alias, and the exclusive borrows keep these handles from
+        // making other views.
+        .map(|(ptr, len)| unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+        .collect())
+}
+
 /// A tensor this code just allocated and nobody else has seen: its data may be written.
 #[derive(Debug)]
 pub struct NewTensor(Tensor);
@@ -271,66 +358,6 @@ impl NewTensor {
     /// Finishes writing: the tensor may now be shared.
     pub fn finish(self) -> Tensor {
         self.0
-    }
-}
-
-/// A tensor argument that the operator's schema declares mutable (`Tensor(a!)`): by that
-/// contract the kernel may write its data during the call.
-#[derive(Debug)]
-pub struct MutTensor(Tensor);
-
-impl MutTensor {
-    pub(crate) fn new(t: Tensor) -> MutTensor {
-        MutTensor(t)
-    }
-
-    /// Read access to metadata and data.
-    pub fn tensor(&self) -> &Tensor {
-        &self.0
-    }
-
-    /// The elements of this contiguous CPU tensor, writable, after checking that none of
-    /// `others` (the call's other tensor arguments, which the kernel may read meanwhile) shares
-    /// a byte with it.
-    pub fn as_mut_slice_disjoint<T: Element>(&mut self, others: &[&Tensor]) -> Result<&mut [T]> {
-        let (ptr, len) = self.0.host_elements::<T>()?;
-        let mine = (ptr as usize, ptr as usize + len * std::mem::size_of::<T>());
-        for other in others {
-            if let Some((start, end)) = other.byte_range()? {
-                crate::ensure!(
-                    end <= mine.0 || mine.1 <= start,
-                    "a tensor written in place shares memory with another argument"
-                );
-            }
-        }
-        // SAFETY: as in `Tensor::as_slice` for the extent; the schema makes this argument
-        // mutable, so torch gives this kernel the right to write it for the call, and no other
-        // argument overlaps it (checked above), so this is the only live reference to the bytes.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
-    }
-}
-
-impl Tensor {
-    /// The bytes `[start, end)` the tensor's elements occupy (`None` when it has none).
-    fn byte_range(&self) -> Result<Option<(usize, usize)>> {
-        if self.numel()? == 0 {
-            return Ok(None);
-        }
-        let elem = self.dtype()?.size().unwrap_or(16) as i64;
-        let (mut low, mut high) = (0i64, 0i64);
-        for (&size, &stride) in self.sizes()?.iter().zip(self.strides()?) {
-            let reach = (size - 1) * stride;
-            if reach < 0 {
-                low += reach;
-            } else {
-                high += reach;
-            }
-        }
-        let base = self.data_ptr()? as i64;
-        Ok(Some((
-            (base + low * elem) as usize,
-            (base + (high + 1) * elem) as usize,
-        )))
     }
 }
 

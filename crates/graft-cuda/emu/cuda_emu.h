@@ -116,6 +116,18 @@ inline double __hiloint2double(int hi, int lo) {
                                           (unsigned long long)(unsigned)lo));
 }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+// Correctly rounded arithmetic with an explicit rounding mode (round to nearest); the emulator
+// is built with -ffp-contract=off, so plain operators round each step like these.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return std::sqrt(a); }
 using std::fma;
 using std::sqrt;
 

@@ -145,8 +145,11 @@ fn weight_tag(w: WeightKind) -> &'static str {
 
 /// Entry points of the kernel families launched by name, after RMSNorm's table (one function
 /// per op module, listing its kernels/*.cu entry points).
-const NAMED_FAMILIES: &[fn() -> Vec<String>] =
-    &[crate::glu::kernel_names, crate::cross_entropy::kernel_names];
+const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[
+    crate::glu::kernel_names,
+    crate::cross_entropy::kernel_names,
+    crate::adam::kernel_names,
+];
 
 fn named_kernels() -> Vec<String> {
     NAMED_FAMILIES.iter().flat_map(|names| names()).collect()

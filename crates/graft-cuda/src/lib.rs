@@ -18,6 +18,7 @@
 
 #![warn(missing_docs)]
 
+mod adam;
 mod config;
 mod cross_entropy;
 mod device;
@@ -30,6 +31,7 @@ mod params;
 mod rms_norm;
 pub mod tools;
 
+pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
 pub use config::{DeviceLimits, KernelAttrs};
 pub use cross_entropy::{
     cross_entropy_count, cross_entropy_reduce, cross_entropy_rows, cross_entropy_rows_with,

@@ -336,7 +336,10 @@ where
 /// Where a task's rows come from and where their gradient goes.
 enum RowsData<'a, T> {
     /// Read the logits; write the gradient into `grad` when given.
-    Read { x: &'a [T], grad: Option<&'a mut [T]> },
+    Read {
+        x: &'a [T],
+        grad: Option<&'a mut [T]>,
+    },
     /// Read the logits, then write the gradient over them.
     InPlace(&'a mut [T]),
 }
@@ -477,7 +480,13 @@ pub fn forward<T: Float>(
     match grad {
         Some((g, scale)) => {
             assert_eq!(g.len(), logits.len(), "cross_entropy: grad length");
-            check(logits.len(), target, loss.len(), o, scale.rows.map(<[_]>::len));
+            check(
+                logits.len(),
+                target,
+                loss.len(),
+                o,
+                scale.rows.map(<[_]>::len),
+            );
             let items = loss
                 .chunks_mut(per)
                 .zip(x.zip(g.chunks_mut(rows)))
@@ -651,7 +660,10 @@ pub fn scale_in_place<T: Float>(
 {
     let cols = cols.max(1);
     check_scale(grad.len(), cols, &scale);
-    let items = grad.chunks_mut(TASK_ELEMS).map(ScaleData::InPlace).collect();
+    let items = grad
+        .chunks_mut(TASK_ELEMS)
+        .map(ScaleData::InPlace)
+        .collect();
     run_scale(items, cols, scale, par);
 }
 

@@ -10,6 +10,7 @@
 //! No torch dependency: the numerics follow PyTorch's reference composites for
 //! `aten::_fused_rms_norm` and `aten::_fused_rms_norm_backward`.
 
+pub mod adam;
 mod blocks;
 pub mod convert;
 pub mod cross_entropy;

@@ -4,6 +4,7 @@
 //! [`enable`] registers every graft this process can run, [`disable`] removes them (the kernels
 //! that were there before come back), [`grafts`] reports them with their call counts.
 
+pub mod adam;
 mod layout;
 pub mod ops;
 pub mod rms_norm;
@@ -37,7 +38,7 @@ struct Graft {
     counters: &'static Counters,
 }
 
-const GRAFTS: [Graft; 4] = [
+const GRAFTS: [Graft; 12] = [
     Graft {
         op: "aten::_fused_rms_norm",
         dispatch_key: "CPU",
@@ -57,6 +58,46 @@ const GRAFTS: [Graft; 4] = [
         op: "aten::_fused_rms_norm_backward",
         dispatch_key: "CUDA",
         counters: &rms_norm::cuda::BACKWARD,
+    },
+    Graft {
+        op: "aten::_fused_adamw_",
+        dispatch_key: "CPU",
+        counters: &adam::cpu::ADAMW,
+    },
+    Graft {
+        op: "aten::_fused_adamw_.tensor_lr",
+        dispatch_key: "CPU",
+        counters: &adam::cpu::ADAMW_TENSOR_LR,
+    },
+    Graft {
+        op: "aten::_fused_adam_",
+        dispatch_key: "CPU",
+        counters: &adam::cpu::ADAM,
+    },
+    Graft {
+        op: "aten::_fused_adam_.tensor_lr",
+        dispatch_key: "CPU",
+        counters: &adam::cpu::ADAM_TENSOR_LR,
+    },
+    Graft {
+        op: "aten::_fused_adamw_",
+        dispatch_key: "CUDA",
+        counters: &adam::cuda::ADAMW,
+    },
+    Graft {
+        op: "aten::_fused_adamw_.tensor_lr",
+        dispatch_key: "CUDA",
+        counters: &adam::cuda::ADAMW_TENSOR_LR,
+    },
+    Graft {
+        op: "aten::_fused_adam_",
+        dispatch_key: "CUDA",
+        counters: &adam::cuda::ADAM,
+    },
+    Graft {
+        op: "aten::_fused_adam_.tensor_lr",
+        dispatch_key: "CUDA",
+        counters: &adam::cuda::ADAM_TENSOR_LR,
     },
 ];
 
@@ -78,11 +119,13 @@ pub fn enable() -> Result<()> {
     let mut cpu = Library::implementations(c"aten", c"CPU")?;
     cpu.register::<rms_norm::cpu::ForwardCpu>(c"_fused_rms_norm")?;
     cpu.register::<rms_norm::cpu::BackwardCpu>(c"_fused_rms_norm_backward")?;
+    adam::register::<adam::cpu::Cpu>(&mut cpu)?;
     let mut libraries = vec![("CPU", cpu)];
     if cuda_status().is_ok() {
         let mut cuda = Library::implementations(c"aten", c"CUDA")?;
         cuda.register::<rms_norm::cuda::ForwardCuda>(c"_fused_rms_norm")?;
         cuda.register::<rms_norm::cuda::BackwardCuda>(c"_fused_rms_norm_backward")?;
+        adam::register::<adam::cuda::Cuda>(&mut cuda)?;
         libraries.push(("CUDA", cuda));
     }
     *installed = Some(libraries);
@@ -115,8 +158,8 @@ pub fn cuda_status() -> std::result::Result<usize, String> {
     }
 }
 
-/// Every native graft this build has, with its state and counters, then the kernels of
-/// torchgraft's own operators ([`ops`]).
+/// Every native graft this build has, with its state and counters (torchgraft's own operators'
+/// kernels are in [`ops::kernels`]).
 pub fn grafts() -> Vec<GraftInfo> {
     let installed = installed();
     let keys: Vec<&str> = installed.iter().flatten().map(|(key, _)| *key).collect();
@@ -133,7 +176,6 @@ pub fn grafts() -> Vec<GraftInfo> {
                 fallbacks,
             }
         })
-        .chain(ops::kernels())
         .collect()
 }
 

@@ -26,7 +26,21 @@ fn is_enabled() -> bool {
 /// Every native graft this build has: dicts with op, dispatch_key, active, calls, fallbacks.
 #[pyfunction]
 fn grafts(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
-    graft_native::grafts()
+    infos_to_dicts(py, graft_native::grafts())
+}
+
+/// The kernels of torchgraft's own operators (`torchgraft::*`), as [`grafts`] describes grafts
+/// (`active`: defined in this process).
+#[pyfunction]
+fn op_kernels(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    infos_to_dicts(py, graft_native::ops::kernels())
+}
+
+fn infos_to_dicts(
+    py: Python<'_>,
+    infos: Vec<graft_native::GraftInfo>,
+) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    infos
         .into_iter()
         .map(|g| {
             let d = PyDict::new(py);
@@ -75,6 +89,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(disable, m)?)?;
     m.add_function(wrap_pyfunction!(is_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(grafts, m)?)?;
+    m.add_function(wrap_pyfunction!(op_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
     m.add_function(wrap_pyfunction!(define_ops, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

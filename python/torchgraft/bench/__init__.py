@@ -6,6 +6,12 @@ perf_counter), :mod:`.routes` (routes and the dispatcher state each runs under),
 :mod:`.rms_norm` (the RMSNorm routes, shapes and bytes model), :mod:`.table`, :mod:`.plots` and
 :mod:`.results` (terminal table, Markdown, PNG and JSON), :mod:`.counters` (which grafts ran),
 :mod:`.progress` (a stderr progress bar).
+
+``torchgraft bench model`` (:mod:`.model_command`) trains a transformers model in every variant
+side by side: :mod:`.model` (the run: losses, alternating rounds, profile, checks),
+:mod:`.model_zoo` (sizes and families), :mod:`.model_variants` (stock, torchgraft, compile,
+Liger), :mod:`.patches` (global monkey patches caught and confined), :mod:`.op_profile` (self
+time by op) and :mod:`.model_output` (tables, JSON, PNG).
 """
 
 from __future__ import annotations

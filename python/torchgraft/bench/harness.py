@@ -184,7 +184,11 @@ def versions() -> dict[str, str | None]:
         "triton": _package_version("triton") or _package_version("pytorch-triton"),
         "torchgraft": torchgraft_version(),
         "liger_kernel": _package_version("liger-kernel") or _package_version("liger_kernel"),
+        "transformers": _package_version("transformers"),
         "nvidia_cutlass_dsl": _package_version("nvidia-cutlass-dsl"),
+        "flash_attn_4": _package_version("flash-attn-4"),
+        "quack_kernels": _package_version("quack-kernels"),
+        "helion": _package_version("helion"),
         "platform": platform.platform(),
     }
 

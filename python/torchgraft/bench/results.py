@@ -11,12 +11,12 @@ from .harness import BenchReport
 from .plots import PlotUnavailable, plot_bandwidth
 from .table import format_markdown
 
-__all__ = ["WrittenFiles", "file_stem", "write_results"]
+__all__ = ["SHORT_DTYPES", "WrittenFiles", "device_slug", "file_stem", "write_results"]
 
-_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
-def _device_slug(device: dict[str, object]) -> str:
+def device_slug(device: dict[str, object]) -> str:
     """``"cpu"``, or ``"cuda-h100"`` style: the device kind plus the GPU model when known."""
     kind = str(device["type"])
     if kind != "cuda":
@@ -28,8 +28,8 @@ def _device_slug(device: dict[str, object]) -> str:
 
 def file_stem(report: BenchReport) -> str:
     """``<op>_<device>_<dtype>``, e.g. ``rms_norm_cuda-h100_bf16``."""
-    dtype = _SHORT_DTYPES.get(report.dtype, report.dtype)
-    return f"{report.op}_{_device_slug(report.device)}_{dtype}"
+    dtype = SHORT_DTYPES.get(report.dtype, report.dtype)
+    return f"{report.op}_{device_slug(report.device)}_{dtype}"
 
 
 @dataclass(frozen=True)

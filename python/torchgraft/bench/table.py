@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .harness import NOT_SELECTED, BenchReport, Measurement
 
-__all__ = ["format_markdown", "format_terminal"]
+__all__ = ["format_markdown", "format_ms", "format_terminal"]
 
 BASELINE = "aten"
 NOT_GRAFTED = "*"
@@ -14,7 +14,8 @@ NOTE_NOT_GRAFTED = (
 )
 
 
-def _ms(value: float) -> str:
+def format_ms(value: float) -> str:
+    """Milliseconds with three significant digits or so (no exponent)."""
     if value >= 100:
         return f"{value:.0f}"
     if value >= 10:
@@ -38,7 +39,7 @@ def _cell(report: BenchReport, route: str, mode: str, shape: str, markdown: bool
     speedup = _speedup(report, m)
     if markdown and speedup:
         speedup = f"({speedup})"
-    return f"{_ms(m.median_ms)} {speedup}{mark}".strip()
+    return f"{format_ms(m.median_ms)} {speedup}{mark}".strip()
 
 
 def _mode_title(report: BenchReport, mode: str) -> str:
@@ -94,7 +95,7 @@ def format_terminal(report: BenchReport, width: int = 120) -> str:
 def _copy_cell(report: BenchReport, shape: str) -> str:
     for c in report.copies:
         if c.shape == shape:
-            return f"{_ms(c.median_ms)} {c.gbps:.3g}GB/s"
+            return f"{format_ms(c.median_ms)} {c.gbps:.3g}GB/s"
     return "-"
 
 

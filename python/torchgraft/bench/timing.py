@@ -1,22 +1,28 @@
-"""Median run times of a callable: CUDA events on a GPU, ``time.perf_counter`` on the CPU.
+"""Run times: one call at a time (kernels), or steps back to back in alternating rounds (loops).
 
-On CUDA the L2 cache is flushed before every timed call, so a kernel that reads a tensor
-smaller than L2 is timed reading it from memory, as it would inside a model.
-``triton.testing.do_bench`` does exactly this and is used when triton is installed; the
-event-based loop below is the same method without triton.
+:func:`measure` times one call at a time, median of many: CUDA events on a GPU with the L2
+cache flushed before every timed call, so a kernel that reads a tensor smaller than L2 is timed
+reading it from memory, as it would inside a model (``triton.testing.do_bench`` does exactly
+this and is used when triton is installed; the event-based loop below is the same method
+without triton); ``time.perf_counter`` on the CPU.
+
+:func:`alternating_rounds` times what a training loop does: steps back to back with one
+synchronisation (host work overlaps the GPU where it can), every contender once per round,
+the median over rounds, so that drift of the machine hits all contenders alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "measure", "method_name"]
+__all__ = ["Timing", "alternating_rounds", "back_to_back_ms", "measure", "method_name"]
 
 # Bytes written before each timed call on CUDA to evict the previous call's data from L2
 # (H100: 50 MiB of L2; 256 MiB covers every current GPU).
@@ -127,3 +133,57 @@ def _measure_cpu(fn: Callable[[], object], budget: _Budget) -> Timing:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return Timing(median_ms=statistics.median(times), samples=len(times))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def back_to_back_ms(fn: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Milliseconds per call of ``steps`` calls of ``fn()`` back to back, synchronised once
+    before and once after (host time on the CPU)."""
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _synchronize(device)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def alternating_rounds(
+    calls: Mapping[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    rounds: int,
+    steps: int,
+    warmup: int = 3,
+    around: Callable[[str], contextlib.AbstractContextManager[object]] | None = None,
+    on_error: Callable[[str, Exception], None] | None = None,
+) -> dict[str, list[float]]:
+    """Per-round ms per call of each contender: every round times each one, in order, as
+    ``warmup`` untimed calls and then ``steps`` timed ones back to back (:func:`back_to_back_ms`).
+
+    ``around(name)`` is the state a contender runs under, entered for its warm-up and timing
+    in each round (entering it can cost one-time work, which the warm-up absorbs; leaving it
+    can, e.g., move the contender's state off the device). With ``on_error``, a contender that
+    raises is reported to it and left out of the later rounds (without, the error propagates).
+    Take the median of each list.
+    """
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    failed: set[str] = set()
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if name in failed:
+                continue
+            try:
+                with around(name) if around is not None else contextlib.nullcontext():
+                    for _ in range(warmup):
+                        call()
+                    times[name].append(back_to_back_ms(call, steps, device))
+            except Exception as error:
+                if on_error is None:
+                    raise
+                failed.add(name)
+                on_error(name, error)
+    return times

@@ -83,6 +83,7 @@ class DSLRuntime:
         min_version: str | None,
         other_packages: tuple[str, ...] = (),
         version_fn: Callable[[], Version | None] | None = None,
+        compat_fn: Callable[[Version], str | None] | None = None,
     ) -> None:
         self.name = name
         self.package = package
@@ -91,6 +92,8 @@ class DSLRuntime:
         self.module = module
         self.min_version = Version(min_version) if min_version is not None else None
         self._version_fn = version_fn
+        #: Given the installed version, why it cannot work here (e.g. with this torch), or None.
+        self._compat_fn = compat_fn
         self.log = logging.getLogger(f"torchgraft.dsl.{name}")
 
     def runtime_available(self) -> bool:
@@ -133,6 +136,10 @@ class DSLRuntime:
                 f"{self.name} {version} is older than the required {self.min_version}; "
                 f"set {env.SKIP_VERSION_CHECK_ENV}=1 to register anyway"
             )
+        if self._compat_fn is not None:
+            reason = self._compat_fn(version)
+            if reason is not None:
+                return f"{reason}; set {env.SKIP_VERSION_CHECK_ENV}=1 to register anyway"
         return None
 
     def register_op_override(

@@ -4,3 +4,12 @@ Each package holds a pure-PyTorch reference, the ``cond`` that decides which cal
 takes, the ``impl`` that runs it (importing its DSL lazily), and the DSL kernels in their own
 module. Importing a package here imports no DSL.
 """
+
+
+def gate_notes() -> dict[tuple[str, str], str]:
+    """``(route, op_symbol) -> why that route's override takes the calls it takes``, for every
+    op package (``torchgraft list`` shows it). Imports no DSL."""
+    from .attention.registration import notes as attention_notes
+    from .rms_norm.registration import notes as rms_norm_notes
+
+    return attention_notes() | rms_norm_notes()

@@ -581,3 +581,25 @@ use crate::vectorize::Job;
 
 job_entry_point!(Avx2, "avx2,fma,f16c");
 job_entry_point!(Avx512, "avx512f,avx2,fma,f16c");
+
+// ---------------------------------------------------------------------------------------------
+// Adam / AdamW (crate::adam): the chunk update compiled with FMA, as ATen's AVX2 kernel is.
+
+impl Avx2 {
+    /// [`crate::adam::run_chunk`] compiled for AVX2, FMA and F16C.
+    pub(crate) fn adam_chunk<T: crate::adam::AdamFloat>(
+        self,
+        c: &crate::adam::Coeffs<T::Acc>,
+        chunk: crate::adam::Chunk<'_, T>,
+    ) {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn run<T: crate::adam::AdamFloat>(
+            c: &crate::adam::Coeffs<T::Acc>,
+            chunk: crate::adam::Chunk<'_, T>,
+        ) {
+            crate::adam::run_chunk(c, chunk)
+        }
+        // SAFETY: `self` proves the CPU has AVX2, FMA and F16C.
+        unsafe { run(c, chunk) }
+    }
+}

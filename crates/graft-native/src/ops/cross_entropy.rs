@@ -11,7 +11,8 @@
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{
-    ensure, DType, Device, DeviceType, Element, Error, Kernel, MutTensor, NewTensor, Result, Tensor,
+    contiguous_strides, ensure, in_place_views, DType, Device, DeviceType, Element, Error, Kernel,
+    NewTensor, Result, Tensor,
 };
 use graft_kernels::cross_entropy::{self as ce, BadTarget, CeMath, Options, Scale};
 use graft_kernels::{Acc, Float};
@@ -286,19 +287,28 @@ where
     ))
 }
 
-fn inplace_cpu_typed<T>(logits: &mut MutTensor, target: &Tensor, loss: &Loss) -> Result<Tensor>
+/// A new contiguous copy of `t`: memory no other argument can share (for the small read-only
+/// arguments of in-place kernels, which then cannot alias the tensor being written).
+fn private_copy(t: &Tensor) -> Result<Tensor> {
+    let sizes = t.sizes()?;
+    let out = Tensor::empty_strided(sizes, &contiguous_strides(sizes), t.dtype()?, t.device()?)?;
+    out.copy_from(t)?;
+    Ok(out)
+}
+
+fn inplace_cpu_typed<T>(logits: &mut Tensor, target: &Tensor, loss: &Loss) -> Result<Tensor>
 where
     T: Float + Element,
     T::Acc: CeMath + Element + Into<f64>,
 {
-    let sizes = logits.tensor().sizes()?;
+    let sizes = logits.sizes()?;
     let (rows, cols) = (sizes[0] as usize, sizes[1] as usize);
-    let t = contiguous(target)?;
+    let t = private_copy(target)?;
     let valid = count_cpu(&t, cols, loss.ignore_index)?;
     let mut loss_rows = NewTensor::empty(&[rows as i64], T::Acc::DTYPE, Device::CPU)?;
-    let x = logits.as_mut_slice_disjoint::<T>(&[&t])?;
+    let mut views = in_place_views::<T>(vec![logits])?;
     rows_cpu::<T>(
-        CpuLogits::Write(x),
+        CpuLogits::Write(views.remove(0)),
         CpuGrad::InPlace,
         t.as_slice()?,
         cols,
@@ -527,7 +537,8 @@ fn check_scale(op: &str, grad: &Tensor, grad_output: &Tensor) -> Result<(bool, T
         "Expected all tensors to be on the same device, but found at least two devices, {gd} \
          and {od}!"
     );
-    let factors = contiguous(&to_dtype(grad_output, acc_dtype(dtype))?)?;
+    // A private copy (a scalar or one value per row): it cannot share memory with `grad`.
+    let factors = private_copy(&to_dtype(grad_output, acc_dtype(dtype))?)?;
     Ok((per_row, factors))
 }
 
@@ -541,7 +552,7 @@ fn row_len(grad: &Tensor) -> Result<usize> {
 fn scale_cpu_typed<T>(
     src: &Tensor,
     dst: Option<&mut [T]>,
-    in_place: Option<&mut MutTensor>,
+    in_place: Option<&mut Tensor>,
     factors: &Tensor,
     per_row: bool,
 ) -> Result<()>
@@ -569,8 +580,8 @@ where
     match (dst, in_place) {
         (Some(dst), None) => ce::scale_into(src.as_slice::<T>()?, dst, cols, scale, &TorchPool),
         (None, Some(g)) => {
-            let data = g.as_mut_slice_disjoint::<T>(&[factors])?;
-            ce::scale_in_place(data, cols, scale, &TorchPool);
+            let mut views = in_place_views::<T>(vec![g])?;
+            ce::scale_in_place(views.remove(0), cols, scale, &TorchPool);
         }
         _ => return Err(Error::msg("scale_grad: inconsistent arguments")),
     }
@@ -622,18 +633,17 @@ fn scale_grad(grad: &Tensor, grad_output: &Tensor) -> Result<Tensor> {
 }
 
 /// `grad *= grad_output` in place; elements whose factor is exactly 1 are not touched.
-fn scale_grad_(mut grad: MutTensor, grad_output: &Tensor) -> Result<()> {
-    let (per_row, factors) = check_scale("scale_grad_", grad.tensor(), grad_output)?;
+fn scale_grad_(mut grad: Tensor, grad_output: &Tensor) -> Result<()> {
+    let (per_row, factors) = check_scale("scale_grad_", &grad, grad_output)?;
     ensure!(
-        grad.tensor().is_contiguous()?,
+        grad.is_contiguous()?,
         "scale_grad_: the gradient must be contiguous"
     );
-    let (dtype, device) = (grad.tensor().dtype()?, grad.tensor().device()?);
+    let (dtype, device) = (grad.dtype()?, grad.device()?);
     if device.kind == DeviceType::CUDA {
-        let g = grad.tensor();
-        return scale_cuda(g, g, &factors, per_row);
+        return scale_cuda(&grad, &grad, &factors, per_row);
     }
-    let src = grad.tensor().new_ref()?;
+    let src = grad.new_ref()?;
     macro_rules! typed {
         ($t:ty) => {
             scale_cpu_typed::<$t>(&src, None, Some(&mut grad), &factors, per_row)
@@ -665,10 +675,10 @@ fn forward_cpu(
     }
 }
 
-fn check_in_place(logits: &MutTensor, target: &Tensor) -> Result<()> {
-    check_logits("cross_entropy_", logits.tensor(), target)?;
+fn check_in_place(logits: &Tensor, target: &Tensor) -> Result<()> {
+    check_logits("cross_entropy_", logits, target)?;
     ensure!(
-        logits.tensor().is_contiguous()?,
+        logits.is_contiguous()?,
         "cross_entropy_: the logits must be contiguous to take the gradient in place"
     );
     Ok(())
@@ -708,13 +718,13 @@ impl Kernel for CrossEntropyCuda {
 /// `torchgraft::cross_entropy_` at CPU: the loss; the gradient replaces the logits.
 pub struct CrossEntropyInPlaceCpu;
 impl Kernel for CrossEntropyInPlaceCpu {
-    type Args = (MutTensor, Tensor, i64, i64, f64);
+    type Args = (Tensor, Tensor, i64, i64, f64);
     type Outputs = (Tensor,);
     fn run((mut logits, target, ignore, reduction, eps): Self::Args) -> Result<(Tensor,)> {
         CROSS_ENTROPY_INPLACE_CPU.call();
         let loss = Loss::new("cross_entropy_", ignore, reduction, eps)?;
         check_in_place(&logits, &target)?;
-        let out = match logits.tensor().dtype()? {
+        let out = match logits.dtype()? {
             DType::F32 => inplace_cpu_typed::<f32>(&mut logits, &target, &loss),
             DType::F64 => inplace_cpu_typed::<f64>(&mut logits, &target, &loss),
             DType::BF16 => inplace_cpu_typed::<bf16>(&mut logits, &target, &loss),
@@ -728,13 +738,13 @@ impl Kernel for CrossEntropyInPlaceCpu {
 /// `torchgraft::cross_entropy_` at CUDA.
 pub struct CrossEntropyInPlaceCuda;
 impl Kernel for CrossEntropyInPlaceCuda {
-    type Args = (MutTensor, Tensor, i64, i64, f64);
+    type Args = (Tensor, Tensor, i64, i64, f64);
     type Outputs = (Tensor,);
     fn run((logits, target, ignore, reduction, eps): Self::Args) -> Result<(Tensor,)> {
         CROSS_ENTROPY_INPLACE_CUDA.call();
         let loss = Loss::new("cross_entropy_", ignore, reduction, eps)?;
         check_in_place(&logits, &target)?;
-        let (out, _) = forward_cuda(logits.tensor(), &target, &loss, CudaGradMode::InPlace)?;
+        let (out, _) = forward_cuda(&logits, &target, &loss, CudaGradMode::InPlace)?;
         Ok((out,))
     }
 }
@@ -757,7 +767,7 @@ impl<const CUDA: bool> Kernel for ScaleGradKernel<CUDA> {
 /// `torchgraft::scale_grad_` at CPU and CUDA.
 pub struct ScaleGradInPlaceKernel<const CUDA: bool>;
 impl<const CUDA: bool> Kernel for ScaleGradInPlaceKernel<CUDA> {
-    type Args = (MutTensor, Tensor);
+    type Args = (Tensor, Tensor);
     type Outputs = ();
     fn run((grad, grad_output): Self::Args) -> Result<()> {
         if CUDA {

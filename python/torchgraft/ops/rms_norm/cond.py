@@ -14,7 +14,12 @@ from torch import Tensor
 
 from .crossover import wins_backward, wins_forward
 
-__all__ = ["fused_rms_norm_backward_cond", "fused_rms_norm_cond"]
+__all__ = [
+    "backward_inputs_fit",
+    "fused_rms_norm_backward_cond",
+    "fused_rms_norm_cond",
+    "problem_size",
+]
 
 _DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _ON_ROCM = torch.version.hip is not None
@@ -22,8 +27,9 @@ _ON_ROCM = torch.version.hip is not None
 _is_cow = torch._C._is_cow_tensor
 
 
-def _problem_size(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None) -> int:
-    """The hidden size when the kernels can take ``x`` and ``weight``, else 0."""
+def problem_size(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None) -> int:
+    """The hidden size when torchgraft's RMSNorm kernels (any DSL) can take ``x`` and
+    ``weight``, else 0: CUDA, float32/16/bfloat16, contiguous, matching shapes."""
     if _ON_ROCM or x.device.type != "cuda" or x.dtype not in _DTYPES:
         return 0
     n_dims = len(normalized_shape)
@@ -57,7 +63,7 @@ def fused_rms_norm_cond(
     dims equal ``normalized_shape``; a weight of the input's dtype, device and shape, or none;
     and a size where the Triton kernel beats aten's (:mod:`.crossover`).
     """
-    n_cols = _problem_size(input, normalized_shape, weight)
+    n_cols = problem_size(input, normalized_shape, weight)
     return n_cols > 0 and wins_forward(input.dtype, n_cols, input.numel() // n_cols)
 
 
@@ -75,10 +81,19 @@ def fused_rms_norm_backward_cond(
     the input's shape, dtype and device; ``rstd`` a contiguous float32 tensor on that device
     with one value per row.
     """
-    n_cols = _problem_size(input, normalized_shape, weight)
+    n_cols = problem_size(input, normalized_shape, weight)
     if n_cols == 0:
         return False
     n_rows = input.numel() // n_cols
+    return backward_inputs_fit(grad_out, input, rstd, n_rows) and wins_backward(
+        input.dtype, n_cols, n_rows
+    )
+
+
+def backward_inputs_fit(grad_out: Tensor, input: Tensor, rstd: Tensor, n_rows: int) -> bool:
+    """Whether a backward's ``grad_out`` and ``rstd`` fit an ``input`` that
+    :func:`problem_size` accepted: ``grad_out`` contiguous with the input's shape, dtype and
+    device; ``rstd`` a contiguous float32 tensor on that device with one value per row."""
     if (
         grad_out.dtype != input.dtype
         or grad_out.device != input.device
@@ -87,12 +102,10 @@ def fused_rms_norm_backward_cond(
         or _is_cow(grad_out)
     ):
         return False
-    if (
+    return not (
         rstd.dtype != torch.float32
         or rstd.device != input.device
         or rstd.numel() != n_rows
         or not rstd.is_contiguous()
         or _is_cow(rstd)
-    ):
-        return False
-    return wins_backward(input.dtype, n_cols, n_rows)
+    )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["check_weight_shape", "empty_rstd", "rows_and_hidden"]
+__all__ = ["check_weight_shape", "empty_rstd", "rows_and_hidden", "rstd_shape"]
 
 
 def rows_and_hidden(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
@@ -41,10 +41,15 @@ def check_weight_shape(weight: Tensor | None, normalized_shape: Sequence[int]) -
         )
 
 
-def empty_rstd(x: Tensor, normalized_shape: Sequence[int]) -> Tensor:
-    """An uninitialised ``rstd`` as aten returns it for ``x``: the leading dims of ``x`` and a 1
-    per normalized dim, float32 (float64 for float64 ``x``), contiguous."""
+def rstd_shape(x: Tensor, normalized_shape: Sequence[int]) -> list[int]:
+    """The shape aten gives ``rstd``: the leading dims of ``x`` and a 1 per normalized dim."""
     n_dims = len(normalized_shape)
-    shape = list(x.shape[: x.dim() - n_dims]) + [1] * n_dims
+    return list(x.shape[: x.dim() - n_dims]) + [1] * n_dims
+
+
+def empty_rstd(x: Tensor, normalized_shape: Sequence[int]) -> Tensor:
+    """An uninitialised ``rstd`` as aten returns it for ``x`` (:func:`rstd_shape`), float32
+    (float64 for float64 ``x``), contiguous."""
+    shape = rstd_shape(x, normalized_shape)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return x.new_empty(shape, dtype=dtype)

@@ -1,0 +1,129 @@
+"""The shapes every adopter shares: a candidate layer, the replacements it may take, and the
+context of one :func:`torchgraft.adopt` call."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import nn
+
+from torchgraft.adopt.probe import Case, Runner
+
+FUNCTIONAL = "torchgraft.functional"
+"""Where torchgraft's fused ops (SwiGLU, GeGLU, RoPE, cross-entropy...) live when built."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to compute a layer with operators torchgraft grafts."""
+
+    name: str
+    """What numerics it reproduces, e.g. ``"llama-style"``."""
+    op: str
+    """The operator it routes to, e.g. ``"aten::_fused_rms_norm"``."""
+    function: Callable[..., object]
+    """The replacement: a ``forward(self, ...)`` for module slots, a plain function otherwise.
+    It reads the module's attributes at call time, so ``.to()``, ``load_state_dict`` and
+    parameter swaps keep working."""
+
+
+@dataclass
+class Candidate:
+    """A layer an adopter recognised, with what it needs to verify and install a replacement."""
+
+    kind: str
+    path: str
+    layer: str
+    owner: object
+    """The object whose slot gets the replacement (an ``nn.Module``, or a Python module)."""
+    slot: str
+    """``"forward"``, ``"_loss_function"`` or a module-global function's name."""
+    slot_kind: str
+    """``"forward"`` (bound method), ``"attribute"`` (plain function) or ``"global"``."""
+    own: Callable[..., object] | None = None
+    """The computation now in place (what the replacement must agree with)."""
+    variants: Sequence[Variant] = ()
+    """Replacements to try, in order of preference."""
+    cases: Callable[[], list[Case]] | None = None
+    """Builds the probe cases (called only when there is something to verify)."""
+    run: Runner | None = None
+    hub_name: str | None = None
+    """The kernel-hub layer name of the module's class (``use_kernel_forward_from_hub``), if any."""
+    status: str = ""
+    """Preset outcome: ``native`` (nothing to do) or ``skipped`` (cannot be adopted)."""
+    reason: str = ""
+    route: str = ""
+    preference_key: object = None
+    """Candidates with the same key (same class) try first the variant the previous one took."""
+
+
+@dataclass
+class Context:
+    """State of one :func:`torchgraft.adopt` call."""
+
+    via: str
+    """``"auto"``, ``"forward"`` or ``"kernels"``."""
+    use_kernels: bool
+    fuse_weight: bool = False
+    """RMSNorm: apply the weight inside the fused kernel (see :mod:`torchgraft.adopt.rms_norm`)."""
+    claimed: set[int] = field(default_factory=set)
+    """ids of modules some candidate accounts for."""
+    preferred: dict[object, str] = field(default_factory=dict)
+    _ops: dict[str, tuple[Callable[..., object] | None, str]] = field(default_factory=dict)
+
+    def functional_op(self, name: str) -> tuple[Callable[..., object] | None, str]:
+        """``torchgraft.functional.<name>`` if this build has it, else ``None`` and the reason
+        (looked up once per call to adopt, never cached across calls)."""
+        if name not in self._ops:
+            self._ops[name] = _lookup(name)
+        return self._ops[name]
+
+
+def _lookup(name: str) -> tuple[Callable[..., object] | None, str]:
+    missing = f"op not available in this build: {FUNCTIONAL}.{name}"
+    try:
+        module = importlib.import_module(FUNCTIONAL)
+    except ModuleNotFoundError as e:
+        if e.name is not None and FUNCTIONAL.startswith(e.name):
+            return None, missing
+        return None, f"{missing} ({FUNCTIONAL} failed to import: {e})"
+    except Exception as e:
+        return None, f"{missing} ({FUNCTIONAL} failed to import: {type(e).__name__}: {e})"
+    op = getattr(module, name, None)
+    return (op, "") if callable(op) else (None, missing)
+
+
+class Adopter(Protocol):
+    """One row of the adoption table: a kind of layer, how to find it, what replaces it."""
+
+    kind: str
+    """Short name shown in reports, e.g. ``"rms_norm"``."""
+    finds: str
+    """How it finds its layers (for docs and ``repr``)."""
+
+    def candidates(self, model: nn.Module, ctx: Context) -> Iterator[Candidate]:
+        """Every layer of ``model`` this adopter recognises."""
+        ...
+
+
+def hub_name(module: object) -> str | None:
+    """The kernel-hub layer name that transformers' ``use_kernel_forward_from_hub`` (the
+    ``kernels`` package) put on the module's class, if any."""
+    name = getattr(type(module), "kernel_layer_name", None)
+    return name if isinstance(name, str) else None
+
+
+def single_input(forward: Callable[..., object]) -> bool:
+    """Whether ``forward`` (bound) takes exactly one positional argument and nothing else: a
+    replacement taking one input must not meet a call passing more."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in positional

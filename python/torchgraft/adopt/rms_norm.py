@@ -1,0 +1,235 @@
+"""RMSNorm layers, routed to ``F.rms_norm`` (``aten::_fused_rms_norm``, which torchgraft grafts).
+
+Models write RMSNorm by hand in a few ways that differ in where they round (transformers 5.x).
+With ``n = x.float() * rsqrt(mean(x.float()^2) + eps)``:
+
+- llama-style: ``weight * n.to(x.dtype)`` (Llama, Mistral, Qwen2/3, Phi3, most families);
+- fp32-weight: ``(weight.float() * n).to(x.dtype)`` (OLMo2, Moshi, Gemma3n);
+- gemma-style: ``(n * (1 + weight.float())).to(x.dtype)`` (Gemma, Gemma2/3, Qwen3.5);
+- unweighted: ``n.to(x.dtype)`` (NanoChat).
+
+``F.rms_norm(x, [H], None, eps)`` is exactly ``n.to(x.dtype)`` (fp32 accumulation, one rounding),
+so each variant keeps the model's own rounding: llama-style multiplies the weight afterwards, as
+the model does; the fp32 variants normalize and scale in fp32 and cast once at the end (the fused
+op does exactly that when the weight has the activation's dtype). With ``fuse_weight=True`` the
+weight always goes into the fused kernel: one kernel, one rounding fewer than the model. Which
+variant a layer computes is not assumed from its name: every candidate is probed (random input
+and weight, float32 and bfloat16, train and eval, forward and backward) and takes the variant
+that agrees best; a layer no variant matches is left alone. ``nn.RMSNorm`` already calls
+``F.rms_norm`` and is reported as native.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchgraft.adopt.base import Candidate, Context, Variant, hub_name, single_input
+from torchgraft.adopt.probe import Case, random_tensor, swapped_parameters, training_mode
+from torchgraft.adopt.report import NATIVE, SKIPPED
+
+OP = "aten::_fused_rms_norm"
+HUB_NAME = "RMSNorm"
+EPS_ATTRS = ("variance_epsilon", "eps")
+"""Where models keep epsilon (transformers: ``variance_epsilon`` or ``eps``; torchtitan ``eps``)."""
+_NAME = re.compile(r"rms_?norm$", re.IGNORECASE)
+"""Class names taken as RMSNorm candidates even without the hub tag (e.g. ``GemmaRMSNorm``);
+gated variants (``...RMSNormGated``) take two inputs and are not RMSNorm layers here."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` over the last dimension, in ``x``'s dtype even under autocast.
+
+    CUDA autocast runs ``rms_norm`` in float32; the layers being replaced compute in float32
+    themselves and cast back, so autocast is switched off around the call: the result (and
+    rounding) is the model's, and the graft gets the activation's own dtype.
+    """
+    shape = (x.shape[-1],)
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, shape, weight, eps)
+    return F.rms_norm(x, shape, weight, eps)
+
+
+# How each variant computes the model's formula with F.rms_norm, from (x, weight, eps).
+Formula = Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
+
+
+def _llama_style(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return w * rms_norm(x, None, eps)
+
+
+def _fp32_weight(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    assert w is not None
+    if w.dtype == x.dtype:
+        # The fused op scales in float32 and rounds once: the model's own formula.
+        return rms_norm(x, w, eps)
+    return rms_norm(x.float(), w.float(), eps).to(x.dtype)
+
+
+def _gemma_style(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    assert w is not None
+    return rms_norm(x.float(), 1.0 + w.float(), eps).to(x.dtype)
+
+
+def _unweighted(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return rms_norm(x, None, eps)
+
+
+# fuse_weight=True: the weight is applied inside the fused kernel, one rounding fewer than the
+# model (faster: one kernel instead of two or three; verified within the dtype's tolerance).
+def _llama_fused(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    assert w is not None
+    return rms_norm(x, w, eps) if w.dtype == x.dtype else _llama_style(x, w, eps)
+
+
+def _gemma_fused(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    assert w is not None
+    if w.dtype != x.dtype:  # keep a float32 weight's precision (mixed precision)
+        return _gemma_style(x, w, eps)
+    return rms_norm(x, (1.0 + w.float()).to(x.dtype), eps)
+
+
+EXACT: tuple[tuple[str, Formula], ...] = (
+    ("llama-style", _llama_style),
+    ("fp32-weight", _fp32_weight),
+    ("gemma-style (1 + weight)", _gemma_style),
+)
+FUSED: tuple[tuple[str, Formula], ...] = (
+    ("fp32-weight", _fp32_weight),  # first: ties with the next where the dtypes agree
+    ("llama-style, weight fused", _llama_fused),
+    ("gemma-style (1 + weight), weight fused", _gemma_fused),
+)
+UNWEIGHTED: tuple[tuple[str, Formula], ...] = (("unweighted", _unweighted),)
+
+
+def _forward(name: str, formula: Formula, weighted: bool, eps_attr: str) -> Variant:
+    """The replacement ``forward``: reads the weight and epsilon from the module at call time."""
+    if weighted:
+
+        def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+            return formula(hidden_states, self.weight, getattr(self, eps_attr))
+    else:
+
+        def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+            return formula(hidden_states, None, getattr(self, eps_attr))
+
+    forward.__qualname__ = f"rms_norm[{name}, {eps_attr}].forward"
+    return Variant(name, OP, forward)
+
+
+# Built once: adopted layers of every model share these functions (and the kernels layer classes).
+# Keys: (has a weight, epsilon attribute, fuse_weight).
+VARIANTS: dict[tuple[bool, str, bool], tuple[Variant, ...]] = {
+    (weighted, attr, fused): tuple(
+        _forward(name, formula, weighted, attr)
+        for name, formula in (UNWEIGHTED if not weighted else FUSED if fused else EXACT)
+    )
+    for weighted in (True, False)
+    for attr in EPS_ATTRS
+    for fused in (False, True)
+}
+
+
+class RMSNormAdopter:
+    """RMSNorm layers: by the hub tag ``RMSNorm``, by class name (``...RMSNorm``), and
+    ``nn.RMSNorm`` (native already)."""
+
+    kind = "rms_norm"
+    finds = "hub tag 'RMSNorm', class name '...RMSNorm', nn.RMSNorm"
+
+    def candidates(self, model: nn.Module, ctx: Context) -> Iterator[Candidate]:
+        for path, module in model.named_modules():
+            tag = hub_name(module)
+            native = isinstance(module, nn.RMSNorm)
+            if id(module) in ctx.claimed or not (
+                native or tag == HUB_NAME or _NAME.search(type(module).__name__)
+            ):
+                continue
+            ctx.claimed.add(id(module))
+            c = Candidate(
+                self.kind, path, type(module).__name__, module, "forward", "forward", hub_name=tag
+            )
+            if native:
+                c.status, c.route = NATIVE, f"F.rms_norm -> {OP}"
+                c.reason = "nn.RMSNorm calls F.rms_norm already"
+            else:
+                _plan(c, module, ctx)
+            yield c
+
+
+def _plan(c: Candidate, module: nn.Module, ctx: Context) -> None:
+    """Fill in the variants and probes of a hand-written RMSNorm, or why it is skipped."""
+    why = _not_plain(module)
+    if why:
+        c.status, c.reason = SKIPPED, why
+        return
+    eps_attr = next(a for a in EPS_ATTRS if isinstance(getattr(module, a, None), float | int))
+    weight = module._parameters.get("weight")
+    hidden = weight.shape[0] if weight is not None else 16
+    c.own = module.forward
+    c.variants = VARIANTS[(weight is not None, eps_attr, ctx.fuse_weight)]
+    c.cases = functools.partial(_cases, module, hidden)
+    c.run = functools.partial(_run, module)
+    c.preference_key = ("rms_norm", type(module))
+
+
+def _not_plain(module: nn.Module) -> str:
+    """Why ``module`` is not a plain one-input RMSNorm we can probe (empty if it is)."""
+    if any(True for _ in module.children()):
+        return "not a plain RMSNorm: it has sub-modules"
+    extra = set(module._parameters) - {"weight"}
+    if extra:
+        return f"not a plain RMSNorm: parameters {sorted(extra)} besides weight"
+    if not any(isinstance(getattr(module, a, None), float | int) for a in EPS_ATTRS):
+        return f"no epsilon attribute ({' or '.join(EPS_ATTRS)})"
+    weight = module._parameters.get("weight")
+    if weight is not None and (weight.dim() != 1 or not weight.is_floating_point()):
+        return f"weight is {weight.dtype} {tuple(weight.shape)}, not a 1-D float vector"
+    if weight is not None and weight.is_meta:
+        return "parameters on the meta device: load the weights first"
+    if not single_input(module.forward):
+        return "forward takes other arguments than one input (gated RMSNorm?)"
+    return ""
+
+
+def _cases(module: nn.Module, hidden: int) -> list[Case]:
+    """Random input and weight, in the module's dtype, float32, bfloat16 and bfloat16 input with
+    float32 weight (mixed precision), each in train and eval mode."""
+    weight = module._parameters.get("weight")
+    device = weight.device if weight is not None else torch.device("cpu")
+    own = weight.dtype if weight is not None else torch.float32
+    pairs = dict.fromkeys(
+        [(own, own), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+        + ([(torch.bfloat16, torch.float32)] if weight is not None else [])
+    )
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for x_dtype, w_dtype in pairs:
+        x = random_tensor((2, 3, hidden), gen, x_dtype, device, scale=2.0, offset=0.25)
+        x.requires_grad_(True)
+        params: dict[str, nn.Parameter] = {}
+        if weight is not None:
+            w = random_tensor((hidden,), gen, w_dtype, device, scale=0.5, offset=1.0)
+            params["weight"] = nn.Parameter(w)
+        for training in (True, False):
+            label = f"x {_short(x_dtype)}, weight {_short(w_dtype)}, " + (
+                "train" if training else "eval"
+            )
+            leaves = (x, *params.values())
+            cases.append(Case(label, (x,), leaves=leaves, params=params, training=training))
+    return cases
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _run(module: nn.Module, fn: Callable[..., object], case: Case) -> object:
+    with swapped_parameters(module, case.params), training_mode(module, case.training):
+        return fn(*case.args, **case.kwargs)

@@ -1,0 +1,173 @@
+"""Shared pieces of the adoption tests: the functional contract's eager semantics, tiny
+transformers models, and a training step that collects what the tests compare."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def contract_module(**overrides: Callable[..., object]) -> types.ModuleType:
+    """A stand-in ``torchgraft.functional`` that computes the contract's eager expressions
+    (/work/briefs/functional_api.md): it lets the tests drive the MLP, RoPE and loss adopters
+    before the fused ops land. ``overrides`` replace (or, with ``None``, remove) ops."""
+
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+        return F.gelu(gate, approximate=approximate) * up
+
+    def rope(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def cross_entropy(
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.float(),
+            target,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+        )
+
+    module = types.ModuleType("torchgraft.functional")
+    ops = {"swiglu": swiglu, "geglu": geglu, "rope": rope, "cross_entropy": cross_entropy}
+    ops.update(overrides)
+    for name, op in ops.items():
+        if op is not None:
+            setattr(module, name, op)
+    return module
+
+
+def use_functional(monkeypatch: object, module: types.ModuleType) -> None:
+    """Make ``torchgraft.functional`` resolve to ``module`` for one test."""
+    monkeypatch.setitem(sys.modules, "torchgraft.functional", module)  # type: ignore[attr-defined]
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2")
+"""The transformers families the adoption tests cover."""
+
+RMS_NORM_VARIANT = {
+    "llama": "llama-style",
+    "mistral": "llama-style",
+    "qwen2": "llama-style",
+    "qwen3": "llama-style",
+    "phi3": "llama-style",
+    "gemma": "gemma-style (1 + weight)",
+    "gemma2": "gemma-style (1 + weight)",
+    "olmo2": "fp32-weight",
+}
+"""What each family's RMSNorm computes (read from its modeling code, transformers 5.17)."""
+
+VOCAB = 96
+
+
+def tiny_model(family: str, seed: int = 0) -> nn.Module:
+    """A two-layer ``<Family>ForCausalLM`` with random weights, built from a config (no network)."""
+    import transformers
+
+    names = {
+        "llama": "Llama",
+        "mistral": "Mistral",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "gemma": "Gemma",
+        "gemma2": "Gemma2",
+        "phi3": "Phi3",
+        "olmo2": "Olmo2",
+    }
+    name = names[family]
+    config = getattr(transformers, f"{name}Config")(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
+    # Random norm weights (initialised to ones or zeros) so a wrong variant shows.
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)
+    return model
+
+
+@dataclass
+class Step:
+    """What one forward + backward of a causal LM gives."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=gen)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Step:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {
+        n.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return Step(out.logits.detach(), out.loss.detach(), grads)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    return float((out64 - ref64).norm() / ref64.norm())
+
+
+def assert_steps_close(step: Step, ref: Step, tol: float) -> None:
+    assert step.logits.dtype == ref.logits.dtype
+    assert rel_err(step.logits, ref.logits) <= tol
+    assert abs(float(step.loss) - float(ref.loss)) <= tol * abs(float(ref.loss))
+    assert step.grads.keys() == ref.grads.keys()
+    for name, grad in ref.grads.items():
+        assert rel_err(step.grads[name], grad) <= tol, name
+
+
+def instance_forwards(model: nn.Module) -> dict[str, object]:
+    """Every module's own ``forward`` entry (absent for almost all: the class's shows through)."""
+    return {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
