@@ -11,8 +11,18 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
 
+
 # Gradient tolerances against float64 (relative norm): rounded once to the dtype, and once more
 # when scaled by the upstream gradient.
+@pytest.fixture(autouse=True)
+def _own_rng():
+    """Seeded random numbers that leave the global generator as they found it (the tests
+    after these ones see the same random inputs with or without them)."""
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(0)
+        yield
+
+
 GRAD_TOL = {torch.float64: 1e-12, torch.float32: 3e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 # The loss is computed in float32 (float64 for float64) from the same rounded logits.
 LOSS_TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-6, torch.float16: 2e-6}

@@ -11,6 +11,16 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
 
+
+@pytest.fixture(autouse=True)
+def _own_rng():
+    """Seeded random numbers that leave the global generator as they found it (the tests
+    after these ones see the same random inputs with or without them)."""
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(0)
+        yield
+
+
 REDUCTIONS = ["mean", "sum", "none"]
 # Against float64 logits of the same (rounded) inputs. The logits GEMM rounds to the dtype (as
 # the eager `hidden @ weight.T` does), and the weight gradient once per chunk.

@@ -17,6 +17,16 @@ from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
 
 pytestmark = pytest.mark.cuda
 
+
+@pytest.fixture(autouse=True)
+def _own_rng():
+    """Seeded random numbers that leave the global generator as they found it (the tests
+    after these ones see the same random inputs with or without them)."""
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(0)
+        yield
+
+
 GRAD_TOL = {torch.float64: 1e-12, torch.float32: 3e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 LOSS_TOL = {torch.float64: 1e-12, torch.float32: 3e-6, torch.bfloat16: 3e-6, torch.float16: 3e-6}
 DTYPES = list(GRAD_TOL)
