@@ -172,64 +172,52 @@ where
 
 // ------------------------------------------------------------------------------------ CPU
 
-/// Where the CPU rows write their gradient.
-pub(crate) enum CpuGrad<'a, T> {
-    /// Loss only.
-    None,
-    /// Into this buffer, like the logits.
-    Into(&'a mut [T]),
-    /// Over the logits.
-    InPlace,
+/// The rows of one CPU call and where their gradient goes.
+pub(crate) enum CpuRows<'a, T> {
+    /// The losses only.
+    LossOnly(&'a [T]),
+    /// The gradient into its own buffer, like the logits.
+    Into { logits: &'a [T], grad: &'a mut [T] },
+    /// The gradient over the logits.
+    InPlace(&'a mut [T]),
 }
 
-/// The rows of one CPU call: logits readable, or writable for [`CpuGrad::InPlace`].
-pub(crate) enum CpuLogits<'a, T> {
-    Read(&'a [T]),
-    Write(&'a mut [T]),
-}
-
-/// Per-row losses and gradients of `logits` on the CPU (targets already checked).
-#[allow(clippy::too_many_arguments)]
+/// Per-row losses (and gradients) of `rows` on the CPU (targets already checked).
 pub(crate) fn rows_cpu<T>(
-    logits: CpuLogits<'_, T>,
-    grad: CpuGrad<'_, T>,
+    rows: CpuRows<'_, T>,
     target: &[i64],
     cols: usize,
     loss: &Loss,
     loss_rows: &mut [T::Acc],
-    scale_all: f64,
-    row_scale: Option<&[T::Acc]>,
-) -> Result<()>
-where
+    scale: (f64, Option<&[T::Acc]>),
+) where
     T: Float + Element,
     T::Acc: CeMath,
 {
     if cols == 0 {
         // Only possible when every row is ignored (targets were checked).
         loss_rows.fill(T::Acc::ZERO);
-        return Ok(());
+        return;
     }
     let o = loss.options(cols);
     let scale = Scale {
-        all: T::Acc::from_f64(scale_all),
-        rows: row_scale,
+        all: T::Acc::from_f64(scale.0),
+        rows: scale.1,
     };
-    match (logits, grad) {
-        (CpuLogits::Read(x), CpuGrad::None) => {
-            ce::forward(x, target, &o, loss_rows, None, &TorchPool);
+    match rows {
+        CpuRows::LossOnly(x) => ce::forward(x, target, &o, loss_rows, None, &TorchPool),
+        CpuRows::Into { logits, grad } => {
+            ce::forward(
+                logits,
+                target,
+                &o,
+                loss_rows,
+                Some((grad, scale)),
+                &TorchPool,
+            );
         }
-        (CpuLogits::Write(x), CpuGrad::None) => {
-            ce::forward(x, target, &o, loss_rows, None, &TorchPool);
-        }
-        (CpuLogits::Read(x), CpuGrad::Into(g)) => {
-            ce::forward(x, target, &o, loss_rows, Some((g, scale)), &TorchPool);
-        }
-        (CpuLogits::Write(x), CpuGrad::InPlace) => {
-            ce::forward_in_place(x, target, &o, loss_rows, scale, &TorchPool);
-        }
-        _ => return Err(Error::msg("cross_entropy: inconsistent gradient mode")),
+        CpuRows::InPlace(x) => ce::forward_in_place(x, target, &o, loss_rows, scale, &TorchPool),
     }
-    Ok(())
 }
 
 /// Checks the targets of a CPU call; returns the rows not ignored.
@@ -266,21 +254,23 @@ where
         T::DTYPE,
         Device::CPU,
     )?;
-    let g = if compute_grad {
-        CpuGrad::Into(grad.as_mut_slice::<T>()?)
+    let logits = x.as_slice()?;
+    let rows_and_grad = if compute_grad {
+        CpuRows::Into {
+            logits,
+            grad: grad.as_mut_slice::<T>()?,
+        }
     } else {
-        CpuGrad::None
+        CpuRows::LossOnly(logits)
     };
     rows_cpu::<T>(
-        CpuLogits::Read(x.as_slice()?),
-        g,
+        rows_and_grad,
         t.as_slice()?,
         cols,
         loss,
         loss_rows.as_mut_slice()?,
-        grad_scale(loss.reduction, valid),
-        None,
-    )?;
+        (grad_scale(loss.reduction, valid), None),
+    );
     Ok((
         reduce_cpu::<T::Acc>(loss_rows, loss.reduction, valid)?,
         grad.finish(),
@@ -308,15 +298,13 @@ where
     let mut loss_rows = NewTensor::empty(&[rows as i64], T::Acc::DTYPE, Device::CPU)?;
     let mut views = in_place_views::<T>(vec![logits])?;
     rows_cpu::<T>(
-        CpuLogits::Write(views.remove(0)),
-        CpuGrad::InPlace,
+        CpuRows::InPlace(views.remove(0)),
         t.as_slice()?,
         cols,
         loss,
         loss_rows.as_mut_slice()?,
-        grad_scale(loss.reduction, valid),
-        None,
-    )?;
+        (grad_scale(loss.reduction, valid), None),
+    );
     reduce_cpu::<T::Acc>(loss_rows, loss.reduction, valid)
 }
 

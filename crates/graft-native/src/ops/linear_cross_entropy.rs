@@ -33,8 +33,8 @@ use graft_kernels::Float;
 use half::{bf16, f16};
 
 use super::cross_entropy::{
-    acc_dtype, check_target, count_cpu, grad_scale, ptr, rows_cpu, rows_cuda, CpuGrad, CpuLogits,
-    CudaCall, CudaRows, Loss, Reduction,
+    acc_dtype, check_target, count_cpu, grad_scale, ptr, rows_cpu, rows_cuda, CpuRows, CudaCall,
+    CudaRows, Loss, Reduction,
 };
 use crate::rms_norm::contiguous;
 use crate::stats::Counters;
@@ -225,52 +225,41 @@ struct Outputs {
     d_bias: Tensor,
 }
 
-/// The device-specific step of a chunk: its cross-entropy rows, in place.
-trait Rows {
-    /// Checks the targets and counts the rows not ignored.
-    fn count(&mut self, p: &Problem, loss: &Loss) -> Result<()>;
-    /// Rows `start..start + len` of the logits buffer `buf` (the first `len` rows), their
-    /// losses into `loss_rows[start..]`; the gradient replaces the logits when `grad`.
-    #[allow(clippy::too_many_arguments)]
-    fn chunk(
-        &mut self,
-        p: &Problem,
-        loss: &Loss,
-        buf: &mut NewTensor,
-        loss_rows: &mut NewTensor,
-        row_scale: Option<&Tensor>,
-        start: usize,
-        len: usize,
-        grad: bool,
-    ) -> Result<()>;
+/// One chunk: rows `start..start + len`, whose logits fill the first `len` rows of `buf`.
+struct Chunk<'a> {
+    buf: &'a mut NewTensor,
+    /// Every row's loss (the chunk's go to `[start..start + len]`).
+    loss_rows: &'a mut NewTensor,
+    /// Every row's gradient factor, when given.
+    row_scale: Option<&'a Tensor>,
+    start: usize,
+    len: usize,
+    /// Whether the gradient replaces the logits (else the losses only).
+    grad: bool,
 }
 
-struct CpuRows {
+/// The device-specific steps: the targets' check and count, and a chunk's cross-entropy rows.
+trait ChunkStep {
+    /// Checks the targets and counts the rows not ignored.
+    fn count(&mut self, p: &Problem, loss: &Loss) -> Result<()>;
+    /// The chunk's losses, and its gradient over its logits when `c.grad`.
+    fn rows(&mut self, p: &Problem, loss: &Loss, c: Chunk<'_>) -> Result<()>;
+}
+
+struct CpuStep {
     valid: usize,
 }
 
-impl Rows for CpuRows {
+impl ChunkStep for CpuStep {
     fn count(&mut self, p: &Problem, loss: &Loss) -> Result<()> {
         self.valid = count_cpu(&p.target, p.vocab, loss.ignore_index)?;
         Ok(())
     }
 
-    fn chunk(
-        &mut self,
-        p: &Problem,
-        loss: &Loss,
-        buf: &mut NewTensor,
-        loss_rows: &mut NewTensor,
-        row_scale: Option<&Tensor>,
-        start: usize,
-        len: usize,
-        grad: bool,
-    ) -> Result<()> {
+    fn rows(&mut self, p: &Problem, loss: &Loss, c: Chunk<'_>) -> Result<()> {
         macro_rules! typed {
             ($t:ty) => {
-                cpu_chunk::<$t>(
-                    p, loss, buf, loss_rows, row_scale, start, len, grad, self.valid,
-                )
+                cpu_rows::<$t>(p, loss, c, self.valid)
             };
         }
         match p.dtype {
@@ -282,88 +271,69 @@ impl Rows for CpuRows {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn cpu_chunk<T>(
-    p: &Problem,
-    loss: &Loss,
-    buf: &mut NewTensor,
-    loss_rows: &mut NewTensor,
-    row_scale: Option<&Tensor>,
-    start: usize,
-    len: usize,
-    grad: bool,
-    valid: usize,
-) -> Result<()>
+fn cpu_rows<T>(p: &Problem, loss: &Loss, c: Chunk<'_>, valid: usize) -> Result<()>
 where
     T: Float + Element,
     T::Acc: CeMath + Element,
 {
-    let v = p.vocab;
+    let (v, start, len) = (p.vocab, c.start, c.len);
     let target = &p.target.as_slice::<i64>()?[start..start + len];
-    let scale = row_scale
+    let scale = c
+        .row_scale
         .map(|s| s.as_slice::<T::Acc>().map(|s| &s[start..start + len]))
         .transpose()?;
-    let x = &mut buf.as_mut_slice::<T>()?[..len * v];
-    let l = &mut loss_rows.as_mut_slice::<T::Acc>()?[start..start + len];
-    let mode = if grad {
-        CpuGrad::InPlace
+    let x = &mut c.buf.as_mut_slice::<T>()?[..len * v];
+    let l = &mut c.loss_rows.as_mut_slice::<T::Acc>()?[start..start + len];
+    let rows = if c.grad {
+        CpuRows::InPlace(x)
     } else {
-        CpuGrad::None
+        CpuRows::LossOnly(x)
     };
     rows_cpu::<T>(
-        CpuLogits::Write(x),
-        mode,
+        rows,
         target,
         v,
         loss,
         l,
-        grad_scale(loss.reduction, valid),
-        scale,
-    )
+        (grad_scale(loss.reduction, valid), scale),
+    );
+    Ok(())
 }
 
-struct CudaRowsStep {
+struct CudaStep {
     call: CudaCall,
     count: Option<Tensor>,
 }
 
-impl Rows for CudaRowsStep {
+impl ChunkStep for CudaStep {
     fn count(&mut self, p: &Problem, loss: &Loss) -> Result<()> {
         self.count = Some(self.call.count(&p.target, p.vocab, loss.ignore_index)?);
         Ok(())
     }
 
-    fn chunk(
-        &mut self,
-        p: &Problem,
-        loss: &Loss,
-        buf: &mut NewTensor,
-        loss_rows: &mut NewTensor,
-        row_scale: Option<&Tensor>,
-        start: usize,
-        len: usize,
-        grad: bool,
-    ) -> Result<()> {
+    fn rows(&mut self, p: &Problem, loss: &Loss, c: Chunk<'_>) -> Result<()> {
         let acc = acc_dtype(p.dtype).size().unwrap_or(4) as u64;
-        let logits = ptr(buf.tensor())?;
+        let start = c.start as u64;
+        let logits = ptr(c.buf.tensor())?;
         let count = self.count.as_ref().expect("counted first");
         rows_cuda(
             &self.call,
             &CudaRows {
                 dtype: p.dtype,
                 logits,
-                target: ptr(&p.target)? + 8 * start as u64,
-                grad: grad.then_some(logits),
-                loss_rows: ptr(loss_rows.tensor())? + acc * start as u64,
+                target: ptr(&p.target)? + 8 * start,
+                grad: c.grad.then_some(logits),
+                loss_rows: ptr(c.loss_rows.tensor())? + acc * start,
                 count: if loss.reduction == Reduction::Mean {
                     Some(ptr(count)?)
                 } else {
                     None
                 },
-                row_scale: row_scale
-                    .map(|s| Ok::<_, Error>(ptr(s)? + acc * start as u64))
+                row_scale: c
+                    .row_scale
+                    .map(|s| Ok::<_, Error>(ptr(s)? + acc * start))
                     .transpose()?,
-                rows: len,
+                rows: c.len,
                 cols: p.vocab,
             },
             loss,
@@ -379,7 +349,7 @@ fn run_chunks(
     want: Wanted,
     chunk_size: i64,
     row_scale: Option<&Tensor>,
-    step: &mut dyn Rows,
+    step: &mut dyn ChunkStep,
 ) -> Result<Outputs> {
     let (n, v, h) = (p.rows, p.vocab, p.hidden_size());
     let (dtype, device) = (p.dtype, p.device);
@@ -426,16 +396,15 @@ fn run_chunks(
                     None => mm_out(&h_chunk, &weight_t, &logits)?,
                 }
             }
-            step.chunk(
-                p,
-                loss,
-                &mut buf,
-                &mut loss_rows,
+            let chunk = Chunk {
+                buf: &mut buf,
+                loss_rows: &mut loss_rows,
                 row_scale,
                 start,
                 len,
                 grad,
-            )?;
+            };
+            step.rows(p, loss, chunk)?;
             if !grad {
                 continue;
             }
@@ -504,7 +473,7 @@ fn forward(
         };
     }
     if p.device.kind == DeviceType::CUDA {
-        let mut step = CudaRowsStep {
+        let mut step = CudaStep {
             call: CudaCall::new(p.device)?,
             count: None,
         };
@@ -513,7 +482,7 @@ fn forward(
         let l = step.call.reduce(out.loss_rows, loss.reduction, &count)?;
         return Ok((l, out.d_hidden, out.d_weight, out.d_bias));
     }
-    let mut step = CpuRows { valid: 0 };
+    let mut step = CpuStep { valid: 0 };
     let out = run_chunks(&p, loss, want, chunk_size, None, &mut step)?;
     let l = reduce_rows_cpu(out.loss_rows, loss.reduction, step.valid, p.dtype)?;
     Ok((l, out.d_hidden, out.d_weight, out.d_bias))
@@ -582,13 +551,13 @@ fn backward(
         smoothing: 0.0,
     };
     let out = if p.device.kind == DeviceType::CUDA {
-        let mut step = CudaRowsStep {
+        let mut step = CudaStep {
             call: CudaCall::new(p.device)?,
             count: None,
         };
         run_chunks(&p, &loss, want, chunk_size, Some(&factors), &mut step)?
     } else {
-        let mut step = CpuRows { valid: 0 };
+        let mut step = CpuStep { valid: 0 };
         run_chunks(&p, &loss, want, chunk_size, Some(&factors), &mut step)?
     };
     Ok((out.d_hidden, out.d_weight, out.d_bias))
@@ -648,5 +617,22 @@ impl<const CUDA: bool> Kernel for LinearCrossEntropyBackwardKernel<CUDA> {
         }
         let (go, hidden, weight, target, bias, ignore, chunk, mask) = args;
         backward(&go, &hidden, &weight, &target, bias, ignore, chunk, &mask)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_chunk;
+
+    #[test]
+    fn automatic_chunks_hold_about_the_hidden_states() {
+        // Llama 3.2 1B's head at 8192 tokens: 8192 * 2048 / 128256 = 131 -> 256 rows.
+        assert_eq!(auto_chunk(8192, 2048, 128_256), 256);
+        // Never fewer than 256 rows, never more than there are.
+        assert_eq!(auto_chunk(100_000, 64, 128_256), 256);
+        assert_eq!(auto_chunk(100, 2048, 32_000), 100);
+        assert_eq!(auto_chunk(0, 2048, 32_000), 1);
+        // A narrow vocabulary: the buffer grows with the hidden states.
+        assert_eq!(auto_chunk(65_536, 4096, 32_000), 16_384);
     }
 }
