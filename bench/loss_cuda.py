@@ -41,7 +41,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
+try:  # an installed build (e.g. the wheel on PYTHONPATH on the GPU machine)...
+    import torchgraft._native  # noqa: F401
+except ImportError:  # ...else this checkout, built in place (make build)
+    sys.path.insert(0, str(REPO / "python"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
