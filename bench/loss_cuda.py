@@ -24,8 +24,9 @@ peak memory above the inputs measured in a separate call. Routes that overwrite 
 
 Writes $OUT/loss_cuda.json when OUT is set, else bench/results/loss_cuda.json.
 Flags: --cpu-dry-run (tiny shapes on the CPU with a wall-clock timer, to check the script),
---skip-compile. Environment: TORCHGRAFT_CE_ROWS_TUNING="threads,blocks_per_sm" changes the
-CUDA row kernel's launch shape (default 1024,1) for a sweep.
+--skip-compile, --only ce|lce (one of the two benchmarks). Environment:
+TORCHGRAFT_CE_ROWS_TUNING="threads,blocks_per_sm" changes the CUDA row kernel's launch shape
+(default 1024,1) for a sweep.
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--only", choices=["ce", "lce"], default=None)
     args = ap.parse_args()
     dry = args.cpu_dry_run
     dev = "cpu" if dry else "cuda"
@@ -294,12 +296,12 @@ def main() -> None:
         sys.exit("needs a CUDA GPU (or --cpu-dry-run)")
     lig = None if dry else liger()
     compile_ok = not args.skip_compile and not dry
-    if dry:
-        ce = bench_cross_entropy(dev, 64, 1000, compile_ok, lig)
-        lce = bench_linear_cross_entropy(dev, 128, 64, 1000, compile_ok, lig)
-    else:
-        ce = bench_cross_entropy(dev, 8192, 128256, compile_ok, lig)
-        lce = bench_linear_cross_entropy(dev, 8192, 2048, 128256, compile_ok, lig)
+    n, h, v = (64, 64, 1000) if dry else (8192, 2048, 128256)
+    ce = lce = None
+    if args.only in (None, "ce"):
+        ce = bench_cross_entropy(dev, n, v, compile_ok, lig)
+    if args.only in (None, "lce"):
+        lce = bench_linear_cross_entropy(dev, 2 * n if dry else n, h, v, compile_ok, lig)
     report = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor(),
         "torch": torch.__version__,
