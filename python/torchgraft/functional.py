@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgraft.ops.cross_entropy import custom_op as _ce
 from torchgraft.ops.glu import custom_op as _glu  # noqa: F401  (defines the ops' autograd)
+from torchgraft.ops.linear_cross_entropy import custom_op as _lce  # noqa: F401  (autograd)
 from torchgraft.ops.rope import custom_op as _rope  # noqa: F401  (defines the ops' autograd)
 
-__all__ = ["geglu", "rope", "swiglu"]
+__all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rope", "swiglu"]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -97,3 +99,151 @@ def rope(
         q.to(common), k.to(common), cos.to(common), sin.to(common), unsqueeze_dim
     )
     return q_embed.to(q_dtype), k_embed.to(k_dtype)
+
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _reduction(reduction: str) -> int:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    return _REDUCTIONS[reduction]
+
+
+def _rows_target(target: Tensor, rows: int) -> Tensor:
+    """``target`` as the ``(rows,)`` int64 vector the ops take, checked as ATen checks it."""
+    flat = target.reshape(-1)
+    if flat.shape[0] != rows:
+        raise ValueError(
+            f"Expected input batch_size ({rows}) to match target batch_size ({flat.shape[0]})."
+        )
+    return flat.long() if flat.dtype == torch.uint8 else flat
+
+
+def _index_error(exc: RuntimeError) -> Exception:
+    """ATen raises IndexError for an out-of-range target; the native kernels' errors are
+    RuntimeErrors with the same text."""
+    message = str(exc)
+    if message.startswith("Target ") and message.endswith(" is out of bounds."):
+        return IndexError(message)
+    return exc
+
+
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    inplace_backward: bool = False,
+) -> Tensor:
+    """``F.cross_entropy(logits.float(), target, ...)`` in one pass over the logits.
+
+    The logits are read in their own dtype (no float32 copy); the loss is float32 (float64 for
+    float64 logits). The gradient is computed in the same pass and kept for the backward, which
+    only multiplies it by the upstream gradient.
+
+    Args:
+        logits: ``(..., V)`` scores, a floating dtype; the leading dimensions are flattened into
+            rows (as language models do before their loss; ``F.cross_entropy`` would read a 3-D
+            input's dimension 1 as the classes).
+        target: Class indices (int64 or uint8) with as many elements as there are rows; rows
+            whose target is ``ignore_index`` count for nothing. Any other target outside
+            ``[0, V)`` raises ``IndexError`` on the CPU and fails a device-side assertion on
+            CUDA, as in ATen.
+        ignore_index: Target value of rows to skip.
+        reduction: ``"mean"`` (over the rows not ignored; NaN if there are none), ``"sum"`` or
+            ``"none"`` (one loss per row, shaped like ``target``).
+        label_smoothing: In ``[0, 1]``, as for ``F.cross_entropy`` (negative values mean none).
+        inplace_backward: Write the gradient over ``logits`` instead of a new buffer: no memory
+            beyond the logits' own. Safe only when the caller owns ``logits`` and nothing reads
+            them after this call: not the caller (the values are gone), not another loss or
+            metric, not an autograd node that saved them for its backward (their version counter
+            is bumped, so such a node raises instead of computing a wrong gradient), and when the
+            backward runs at most once (a second one raises). ``logits`` must not be a leaf that
+            requires grad. Ignored (a new buffer is used) under ``torch.compile`` or any
+            tracing, without gradients, and for non-contiguous logits.
+    """
+    red = _reduction(reduction)
+    if logits.dim() < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {logits.dim()})")
+    rows = logits.reshape(-1, logits.shape[-1])
+    flat_target = _rows_target(target, rows.shape[0])
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    in_place = inplace_backward and compute_grad and rows.is_contiguous() and _ce.eager(rows)
+    if in_place and logits.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation."
+        )
+    try:
+        if in_place:
+            loss = _ce.CrossEntropyInPlace.apply(
+                rows, flat_target, ignore_index, red, label_smoothing
+            )
+        else:
+            loss, _ = torch.ops.torchgraft.cross_entropy(
+                rows, flat_target, ignore_index, red, label_smoothing, compute_grad
+            )
+    except RuntimeError as exc:
+        raise _index_error(exc) from None
+    return loss.reshape(target.shape) if red == 0 else loss
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """``F.cross_entropy((hidden @ weight.T + bias).float(), target, ...)`` without the logits.
+
+    The rows are processed in chunks: each chunk's logits are computed into one reused buffer,
+    turned into their gradient in place, and multiplied into the gradients of ``hidden``,
+    ``weight`` and ``bias`` right away (those that require grad), so the full ``(N, V)`` logits
+    never exist. The weight gradient accumulates in the weight's dtype (one rounding per chunk,
+    as Liger-Kernel's default). The loss is float32 (float64 for float64 inputs). Under
+    autocast the matmul's operands are cast as ``F.linear`` casts them.
+
+    Args:
+        hidden: ``(..., H)`` hidden states; the leading dimensions are flattened into rows.
+        weight: ``(V, H)`` lm-head weight, the dtype and device of ``hidden``.
+        target: Class indices with one element per row; see :func:`cross_entropy`.
+        bias: Optional ``(V,)`` bias.
+        ignore_index: Target value of rows to skip.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (then the backward runs the chunks again
+            with each row's upstream gradient).
+        chunk_size: Rows per chunk; by default a logits buffer about the size of ``hidden``
+            (at least 256 rows). Larger chunks are faster and round the weight gradient fewer
+            times, and cost ``chunk_size * V`` elements.
+    """
+    red = _reduction(reduction)
+    if hidden.dim() < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {hidden.dim()})")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    flat_target = _rows_target(target, rows.shape[0])
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        # As F.linear under autocast: the matmul's operands in the autocast dtype.
+        dtype = torch.get_autocast_dtype(device)
+        rows, weight = rows.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    grad = torch.is_grad_enabled()
+    mask = [
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    ]
+    try:
+        loss = torch.ops.torchgraft.linear_cross_entropy(
+            rows, weight, flat_target, bias, ignore_index, red, chunk_size or 0, mask
+        )[0]
+    except RuntimeError as exc:
+        raise _index_error(exc) from None
+    return loss.reshape(target.shape) if red == 0 else loss

@@ -8,9 +8,11 @@
 //! - [`Tensor`] / [`NewTensor`]: owned tensor handles (freed exactly once) and fresh outputs.
 //! - [`Kernel`] and [`Library`]: boxed kernels for aten (or new) operators, registered at a
 //!   dispatch key and removed when the library is dropped.
-//! - [`dispatch::call`]: calling other operators through the dispatcher.
+//! - [`dispatch::call`]: calling other operators through the dispatcher; [`aten`]: the few
+//!   ATen functions it cannot reach (schemas with `Scalar`s).
 //! - [`parallel`]: torch's intra-op thread pool; [`cuda`]: current stream and device guard.
 
+pub mod aten;
 pub mod cuda;
 pub mod dispatch;
 mod dtype;

@@ -149,6 +149,7 @@ const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[
     crate::glu::kernel_names,
     crate::adam::kernel_names,
     crate::rope::kernel_names,
+    crate::cross_entropy::kernel_names,
 ];
 
 fn named_kernels() -> Vec<String> {

@@ -20,6 +20,7 @@
 
 mod adam;
 mod config;
+mod cross_entropy;
 mod device;
 mod driver;
 pub mod fatbin;
@@ -33,6 +34,10 @@ pub mod tools;
 
 pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
 pub use config::{DeviceLimits, KernelAttrs};
+pub use cross_entropy::{
+    cross_entropy_count, cross_entropy_reduce, cross_entropy_rows, cross_entropy_rows_with,
+    scale_grad, CrossEntropyCount, CrossEntropyReduce, CrossEntropyRows, RowsTuning, ScaleGrad,
+};
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
 pub use rms_norm::{

@@ -15,6 +15,7 @@
 pub mod adam;
 mod blocks;
 pub mod convert;
+pub mod cross_entropy;
 mod dispatch;
 mod float;
 pub mod glu;
@@ -25,6 +26,7 @@ pub mod rope;
 mod rows;
 mod simd;
 mod vmath;
+mod vectorize;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};

@@ -787,6 +787,31 @@ impl Lanes<Avx512> for f16 {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Any `vectorize::Job`, compiled with each token's features.
+
+/// Entry point running a [`Job`] compiled with the token's target features.
+macro_rules! job_entry_point {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// Runs `job`, its loops compiled (inlined) with this token's features.
+            pub(crate) fn run_job<J: Job>(self, job: J) -> J::Output {
+                #[target_feature(enable = $features)]
+                unsafe fn run<J: Job>(job: J) -> J::Output {
+                    job.run()
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(job) }
+            }
+        }
+    };
+}
+
+use crate::vectorize::Job;
+
+job_entry_point!(Avx2, "avx2,fma,f16c");
+job_entry_point!(Avx512, "avx512f,avx2,fma,f16c");
+
+// ---------------------------------------------------------------------------------------------
 // Adam / AdamW (crate::adam): the chunk update compiled with FMA, as ATen's AVX2 kernel is.
 
 impl Avx2 {
