@@ -25,8 +25,8 @@ pub mod rms_norm;
 pub mod rope;
 mod rows;
 mod simd;
-mod vmath;
 mod vectorize;
+mod vmath;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};

@@ -8,8 +8,8 @@
 
 mod cross_entropy;
 mod glu;
-mod rope;
 mod linear_cross_entropy;
+mod rope;
 
 use std::sync::Mutex;
 
