@@ -5,7 +5,7 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= 2.13.0
+TORCH ?= 2.15.0
 PY := $(VENV)/bin/python
 # nvcc 13.0 from PyPI, pinned as one family so its pieces agree (the GPU machines run 13.0).
 CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0.* nvidia-cuda-cccl==13.0.*
@@ -17,10 +17,14 @@ PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2" hypothesis transforme
 HELION := $(if $(filter 2.11.% 2.12.%,$(TORCH)),helion==1.4.0,helion==1.5.1)
 # The stamp names the package list, so changing it reinstalls.
 DEPS_STAMP := $(VENV)/.torchgraft-deps-$(shell echo '$(TORCH) $(PY_TOOLS) $(HELION) $(CUDA_TOOLS)' | md5sum | cut -c1-12)
+# A venv that only runs the Python tests against the wheel needs no compiler.
+TEST_DEPS_STAMP := $(VENV)/.torchgraft-test-deps-$(shell echo '$(TORCH) $(PY_TOOLS) $(HELION)' | md5sum | cut -c1-12)
+# The newest wheel `make wheel` wrote (abi3: one wheel for every torch and Python).
+WHEEL = $(shell ls -t dist/torchgraft-*.whl 2>/dev/null | head -n 1)
 # graft-cuda's build script compiles the CUDA kernels with $NVCC when it is set.
 WITH_NVCC = NVCC="$$(ls $(abspath $(VENV))/lib/python3*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1)"
 
-.PHONY: demo test deps build test-rust test-host test-python lint fmt bench wheel clean
+.PHONY: demo test deps build test-rust test-host test-python test-wheel lint fmt bench wheel clean
 
 demo: build
 	$(PY) -m torchgraft demo
@@ -51,6 +55,23 @@ test-host: deps
 test-python: build
 	$(PY) -m pytest -q tests
 
+$(TEST_DEPS_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH) $(PY_TOOLS) $(HELION)
+	touch $@
+
+# The Python tests against the wheel in dist/ (built once by `make wheel`) on another torch:
+#   make test-wheel VENV=.venv-torch211 TORCH=2.11.0
+# The tests then import the installed wheel, not python/ (checked before they run).
+test-wheel: $(TEST_DEPS_STAMP)
+	@test -n "$(WHEEL)" || { echo "no wheel in dist/: run 'make wheel' first"; exit 1; }
+	$(PY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	$(PY) -c 'import torch, torchgraft, torchgraft.native as n; \
+		assert "site-packages" in torchgraft.__file__, torchgraft.__file__; \
+		print("torch", torch.__version__, "| torchgraft from", torchgraft.__file__, "| native:", n.available())'
+	$(PY) -m pytest -q tests
+
 lint: deps
 	cargo fmt --all -- --check
 	$(WITH_NVCC) cargo clippy --workspace --all-targets --release -q -- -D warnings
@@ -71,4 +92,4 @@ wheel: deps
 
 clean:
 	cargo clean
-	rm -rf $(VENV) dist python/torchgraft/*.so
+	rm -rf $(VENV) .venv-torch* dist python/torchgraft/*.so

@@ -47,3 +47,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref||, computed in float64."""
     out64, ref64 = out.detach().double(), ref.detach().double()
     return float((out64 - ref64).norm() / ref64.norm())
+
+
+def rel_err_in(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """:func:`rel_err` for a result rounded to ``out.dtype``: values below the dtype's smallest
+    normal number lose relative precision (float16 subnormals, underflow to 0), so the norm of
+    the reference gets that floor per element."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    floor = torch.finfo(out.dtype).tiny * max(ref64.numel(), 1) ** 0.5
+    return float((out64 - ref64).norm() / (ref64.norm() + floor))

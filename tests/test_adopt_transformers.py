@@ -256,3 +256,20 @@ def test_the_real_functional_ops_are_used_when_this_build_has_them():
                 for r in rows
             )
     torchgraft.unadopt(model)
+
+
+def test_mlps_are_recognized_without_the_kernels_package(monkeypatch):
+    # Without `kernels` installed (the GPU machines), transformers sets no hub tag on its
+    # activation classes: SiLUActivation must still be recognized, by class.
+    from transformers.activations import SiLUActivation
+
+    monkeypatch.delattr(SiLUActivation, "kernel_layer_name", raising=False)
+    model = tiny_model("llama")
+    ids, labels = batch()
+    ref = train_step(model, ids, labels)
+    report = torchgraft.adopt(model, via="forward")
+    mlps = [r for r in report.rows if r.kind == "gated_mlp"]
+    assert mlps and all(r.status == ADOPTED for r in mlps), report.table(False)
+    with torchgraft.enabled():
+        assert_steps_close(train_step(model, ids, labels), ref, TOLERANCE[torch.float32])
+    torchgraft.unadopt(model)

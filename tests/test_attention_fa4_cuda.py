@@ -133,6 +133,11 @@ def _outputs_like(ours, aten, *, values: bool) -> None:
     for index, (a, b) in enumerate(zip(ours, aten, strict=True)):
         if isinstance(b, torch.Tensor) and b.numel() > 0:
             assert isinstance(a, torch.Tensor), index
+            if b.dtype == torch.int64 and b.numel() == 1:
+                # cuDNN's seed/offset: ATen's CUDA kernel allocates (1,), its meta function (which
+                # torchgraft's result checks and compiled graphs follow) says (); values are 0.
+                assert (a.numel(), a.dtype, int(a)) == (1, b.dtype, int(b)), index
+                continue
             assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device), index
             if a.dim() >= 2:
                 assert a.stride() == b.stride(), index

@@ -22,6 +22,7 @@ import torch
 
 import torchgraft
 from torchgraft import cli, control, native
+from torchgraft._registry import torch_native
 from torchgraft.bench import harness
 from torchgraft.bench import rms_norm as rms_norm_bench
 from torchgraft.bench import routes as bench_routes
@@ -73,9 +74,11 @@ def assert_usage_error(code: int, stderr: str, *fragments: str) -> None:
 
 
 def graft_keys(dispatch_key: str) -> list[str]:
-    """The stats keys of this build's native grafts for one dispatch key."""
+    """The stats keys of this build's native RMSNorm grafts for one dispatch key."""
     return [
-        f"native/{g.op}/{g.dispatch_key}" for g in native.grafts() if g.dispatch_key == dispatch_key
+        f"native/{g.op}/{g.dispatch_key}"
+        for g in native.grafts()
+        if g.dispatch_key == dispatch_key and "rms_norm" in g.op
     ]
 
 
@@ -627,6 +630,39 @@ def test_list_includes_registry_overrides(monkeypatch, capsys):
     from torchgraft.bench.counters import graft_counters
 
     assert graft_counters()["triton/aten::_fused_rms_norm/CUDA"] == {"calls": 7, "fallbacks": 2}
+
+
+def test_list_subprocess_runs_on_this_torch():
+    # `torchgraft list` crashed on torch 2.15 (it unpacked torch._native's private graph keys).
+    result = run_cli("list", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["grafts"]
+    expected = {(o.op, o.dispatch_key, f"torch._native/{o.dsl}") for o in torch_native.overrides()}
+    listed = {
+        (r["op"], r["dispatch_key"], r["route"]) for r in rows if r["source"] == "torch._native"
+    }
+    assert listed == expected
+
+
+def test_list_shows_an_override_of_a_missing_op_as_unavailable(capsys):
+    from torchgraft import registry
+
+    try:
+        with pytest.warns(UserWarning, match="does not exist"):
+            registry.register_op_override(
+                "future",
+                "aten",
+                "no_such_op_xyz",
+                "CPU",
+                None,
+                lambda *a: None,
+                unconditional_override=True,
+            )
+        assert cli.main(["list"]) == 0
+        rows = _rows(capsys.readouterr().out)
+        assert ["aten::no_such_op_xyz", "CPU", "future", "unavailable", "0", "0"] in rows
+    finally:
+        registry.clear_overrides()
 
 
 # ---- small pieces ----------------------------------------------------------------------------

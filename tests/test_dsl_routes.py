@@ -156,6 +156,10 @@ def test_cutile_tileiras_version_decides_hopper(fake_root, monkeypatch):
 
 _SUBPROCESS = """
 import sys
+import torch
+if {pretend_gpu!r}:
+    # enable() installs CUDA overrides by default only where a GPU is; registering needs none.
+    torch.cuda.is_available = lambda: True
 import torchgraft
 from torchgraft import list_overrides
 torchgraft.enable(routes={routes!r})
@@ -166,11 +170,17 @@ print("LOADED", loaded)
 """
 
 
-def _run_enable(root: Path, routes: list[str] | None) -> tuple[list[tuple[str, str]], list[str]]:
+def _run_enable(
+    root: Path, routes: list[str] | None, pretend_gpu: bool = False
+) -> tuple[list[tuple[str, str]], list[str]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(PYTHON_DIR)]))
     env.pop("TORCHGRAFT_DISABLE", None)
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SUBPROCESS.format(routes=routes))],
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_SUBPROCESS.format(routes=routes, pretend_gpu=pretend_gpu)),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -201,7 +211,10 @@ def test_registering_every_dsl_route_imports_no_dsl(fake_root):
 
 def test_default_enable_takes_fa4_but_not_the_opt_in_rms_norm_routes(fake_root):
     install_raising_dsls(fake_root)
+    # Without a GPU the default installs no CUDA override at all.
     overrides, loaded = _run_enable(fake_root, None)
+    assert loaded == [] and not [o for o in overrides if o[0] in ("cutedsl", "helion")]
+    overrides, loaded = _run_enable(fake_root, None, pretend_gpu=True)
     assert loaded == []
     dsl_routes = {(dsl, op) for dsl, op in overrides if dsl in ("cutedsl", "helion")}
     assert dsl_routes == {

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rel_err
+from conftest import rel_err, rel_err_in
 from torchgraft import functional as tgf
-from torchgraft import stats
+from torchgraft import reset_stats, stats
 from torchgraft.ops.glu.reference import geglu_reference, swiglu_reference
 
 # Relative-norm tolerances against the float64 reference: one rounding of the output.
@@ -47,10 +47,10 @@ def test_forward_and_backward_match_float64(name, op, ref, shape, dtype):
     if y.numel() == 0:
         assert gate.grad.shape == gate.shape and up.grad.shape == up.shape
         return
-    assert rel_err(y, y64) < TOL[dtype]
+    assert rel_err_in(y, y64) < TOL[dtype]
     # The gradients are rounded once from products of rounded inputs: two roundings.
-    assert rel_err(gate.grad, g64.grad) < 2 * TOL[dtype]
-    assert rel_err(up.grad, u64.grad) < 2 * TOL[dtype]
+    assert rel_err_in(gate.grad, g64.grad) < 2 * TOL[dtype]
+    assert rel_err_in(up.grad, u64.grad) < 2 * TOL[dtype]
 
 
 @pytest.mark.parametrize(("name", "op", "ref"), OPS, ids=[o[0] for o in OPS])
@@ -74,8 +74,6 @@ def test_non_contiguous_inputs():
 
 
 def test_runs_the_native_cpu_kernels():
-    from torchgraft import reset_stats
-
     reset_stats()
     gate, up = _inputs((8, 8), torch.bfloat16, requires_grad=True)
     tgf.swiglu(gate, up).sum().backward()
@@ -117,3 +115,104 @@ def test_compiles_fullgraph_without_graph_breaks():
     ref.backward()
     assert torch.allclose(out, ref) and torch.allclose(gate.grad, g2.grad)
     assert torch.allclose(up.grad, u2.grad)
+
+
+def _mlp_inputs(dtype=torch.float32):
+    """gate and up as an MLP makes them: fresh projections of one input."""
+    x = torch.randn(6, 16, dtype=torch.float64).to(dtype).requires_grad_()
+    w_gate = torch.randn(16, 24, dtype=torch.float64).to(dtype).requires_grad_()
+    w_up = torch.randn(16, 24, dtype=torch.float64).to(dtype).requires_grad_()
+    return x, w_gate, w_up
+
+
+INPLACE_OPS = [
+    ("swiglu", lambda g, u, inplace: tgf.swiglu(g, u, inplace_backward=inplace)),
+    ("geglu", lambda g, u, inplace: tgf.geglu(g, u, inplace_backward=inplace)),
+    ("geglu_tanh", lambda g, u, inplace: tgf.geglu(g, u, "tanh", inplace_backward=inplace)),
+]
+
+
+@pytest.mark.parametrize(("name", "op"), INPLACE_OPS, ids=[o[0] for o in INPLACE_OPS])
+def test_inplace_backward_gives_the_same_gradients(name, op):
+    x, w_gate, w_up = _mlp_inputs()
+    dy = torch.randn(6, 24)
+    grads = []
+    for inplace in (False, True):
+        op(x @ w_gate, x @ w_up, inplace).backward(dy)
+        grads.append([t.grad.clone() for t in (x, w_gate, w_up)])
+        for t in (x, w_gate, w_up):
+            t.grad = None
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inplace_backward_writes_over_gate_and_up():
+    reset_stats()
+    x, w_gate, w_up = _mlp_inputs()
+    gate, up = x @ w_gate, x @ w_up
+    gate_before, up_before = gate.detach().clone(), up.detach().clone()
+    dy = torch.randn(gate.shape)
+    dgate_ref, dup_ref = torch.ops.torchgraft.swiglu_backward(dy, gate_before, up_before)
+    captured: dict[str, torch.Tensor] = {}
+    gate.register_hook(lambda g: captured.setdefault("gate", g))
+    tgf.swiglu(gate, up, inplace_backward=True).backward(dy)
+    # The gradient flowing to the gate projection is gate's own memory, holding dgate.
+    assert captured["gate"].data_ptr() == gate.data_ptr()
+    assert torch.equal(gate.detach(), dgate_ref) and torch.equal(up.detach(), dup_ref)
+    assert stats()["native/torchgraft::swiglu_backward_/CPU"]["calls"] == 1
+
+
+def test_inplace_backward_is_refused_where_it_would_be_wrong():
+    # A recorded op that saved gate and runs its backward after ours: a version-counter error,
+    # not gradients computed from overwritten values.
+    x, w_gate, w_up = _mlp_inputs()
+    gate, up = x @ w_gate, x @ w_up
+    other = (gate * up).sum()
+    y = tgf.swiglu(gate, up, inplace_backward=True).sum() + other
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    # Leaves keep their values and get ordinary gradients.
+    gate, up = _inputs((4, 8), torch.float32, requires_grad=True)
+    gate_before = gate.detach().clone()
+    tgf.swiglu(gate, up, inplace_backward=True).sum().backward()
+    assert torch.equal(gate.detach(), gate_before) and gate.grad.data_ptr() != gate.data_ptr()
+
+
+def test_inplace_backward_op_rejects_overlapping_outputs():
+    gate, _ = _inputs((4, 8), torch.float32)
+    with pytest.raises(RuntimeError, match="gate and up must not overlap"):
+        torch.ops.torchgraft.swiglu_backward_(torch.randn(4, 8), gate, gate)
+    with pytest.raises(RuntimeError, match="gate and up must not overlap"):
+        torch.ops.torchgraft.swiglu_backward_(torch.randn(2, 8), gate[:2], gate[1:3])
+
+
+def test_inplace_backward_op_takes_any_layout():
+    gate, up = _inputs((8, 6), torch.float32)
+    dy = torch.randn(6, 8).t()
+    dgate_ref, dup_ref = torch.ops.torchgraft.geglu_backward(dy, gate, up, True)
+    fused = torch.cat([gate, up], dim=1)  # chunks of a fused projection: strided views
+    g_view, u_view = fused.chunk(2, dim=1)
+    torch.ops.torchgraft.geglu_backward_(dy, g_view, u_view, True)
+    assert torch.equal(g_view, dgate_ref) and torch.equal(u_view, dup_ref)
+
+
+def test_inplace_backward_compiles():
+    def mlp(x, w_gate, w_up):
+        return tgf.swiglu(x @ w_gate, x @ w_up, inplace_backward=True).sum()
+
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    x, w_gate, w_up = _mlp_inputs()
+    compiled(x, w_gate, w_up).backward()
+    got = [t.grad.clone() for t in (x, w_gate, w_up)]
+    for t in (x, w_gate, w_up):
+        t.grad = None
+    mlp(x, w_gate, w_up).backward()
+    for a, t in zip(got, (x, w_gate, w_up), strict=True):
+        assert torch.allclose(a, t.grad)
+
+
+def test_opcheck_inplace_backward():
+    gate, up = _inputs((5, 6), torch.float32)
+    grad = torch.randn(5, 6)
+    torch.library.opcheck(torch.ops.torchgraft.swiglu_backward_, (grad, gate, up))
+    torch.library.opcheck(torch.ops.torchgraft.geglu_backward_, (grad, gate, up, False))

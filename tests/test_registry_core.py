@@ -66,9 +66,8 @@ def test_op_symbol_spellings(spelling, symbol):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"lib_symbol": "prims"}, ValueError, "lib_symbol"),
-        ({"op_symbol": "no_such_op"}, ValueError, "no operator"),
-        ({"op_symbol": "add.NoSuchOverload"}, ValueError, "no operator"),
+        ({"lib_symbol": "prims"}, ValueError, "Unsupported lib_symbol"),
+        ({"lib_symbol": "_native"}, ValueError, "is not overridable"),
         ({"dispatch_key": "Meta"}, ValueError, "not supported"),
         ({"dispatch_key": "CompositeImplicitAutograd"}, ValueError, "not supported"),
         ({"dispatch_key": "CompositeExplicitAutograd"}, ValueError, "not supported"),
@@ -414,8 +413,15 @@ def test_duplicate_registration():
     again = registry.register_op_override("test", "aten", "mm", "CPU", cond, mm64)
     assert first is not None and again is not None and again.node_id == first.node_id
     assert len(registry.list_overrides()) == 1
-    with pytest.raises(ValueError, match="allow_multiple_override"):
-        registry.register_op_override("test", "aten", "mm", "CPU", lambda x, y: True, mm64)
+    # A second, different override of the same DSL stacks after the first (as in torch._native);
+    # allow_multiple_override is accepted and changes nothing.
+    ran = []
+
+    def second(x, y):
+        ran.append("second")
+        return mm64(x, y)
+
+    registry.register_op_override("test", "aten", "mm", "CPU", lambda x, y: True, second)
     registry.register_op_override(
         "test", "aten", "mm", "CPU", lambda x, y: True, mm64, allow_multiple_override=True
     )
@@ -423,8 +429,36 @@ def test_duplicate_registration():
     assert [i.stats_key for i in registry.list_overrides()] == [
         "test/aten::mm/CPU",
         "test/aten::mm/CPU#2",
+        "test/aten::mm/CPU#3",
         "other/aten::mm/CPU",
     ]
+    a, b = torch.randn(3, 5), torch.randn(5, 2)
+    assert rel_err(torch.mm(a, b), ref_mm(a, b)) < 1e-6
+    assert ran == ["second"]
+
+
+@pytest.mark.parametrize("op_symbol", ["no_such_op_xyz", "add.NoSuchOverload"])
+def test_override_of_an_op_this_torch_lacks_is_kept_inactive(op_symbol):
+    table = dump("aten::add.Tensor")
+    with pytest.warns(UserWarning, match="does not exist in torch"):
+        info = registry.register_op_override(
+            "future", "aten", op_symbol, "CPU", None, mm64, unconditional_override=True
+        )
+    assert info is not None
+    assert not info.active and not info.installed and not info.op_available
+    (listed,) = registry.list_overrides()
+    assert listed.node_id == info.node_id and not listed.active
+    assert registry.override_stats() == {
+        f"future/aten::{op_symbol}/CPU": {"calls": 0, "fallbacks": 0}
+    }
+    # Filters and reordering leave it inactive; removing it works like any other.
+    registry.reenable_op_overrides(enable_dsl_names="future")
+    registry.reorder_overrides(lambda op, key, nodes: nodes)
+    assert not registry.list_overrides()[0].active
+    assert registry.native_decomp_table(overrides_only=True) == {}
+    assert dump("aten::add.Tensor") == table
+    assert registry.remove_override(info)
+    assert registry.list_overrides() == []
 
 
 def test_kill_switch(monkeypatch, caplog):

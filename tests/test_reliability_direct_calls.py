@@ -16,6 +16,8 @@ import torch
 import torchgraft
 from torchgraft import native
 
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split(".")[:2])
+
 pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
 
 OP = torch.ops.aten._fused_rms_norm.default
@@ -87,7 +89,14 @@ def test_direct_calls_stock_accepts_compute_like_stock(case):
     tol = 1e-12 if y.dtype in (torch.float64, torch.complex128) else 1e-6
     assert rel_err(y, y_stock) < tol and rel_err(rstd, rstd_stock) < tol
     # The same warnings (e.g. "Casting complex values to real discards the imaginary part").
-    assert {str(w.message) for w in grafted_warnings} == {str(w.message) for w in stock_warnings}
+    grafted = {str(w.message) for w in grafted_warnings}
+    stock = {str(w.message) for w in stock_warnings}
+    if TORCH_VERSION >= (2, 15):
+        # torch 2.15's stable-ABI dispatcher call drops the warnings of the ops a native kernel
+        # calls (docs/reliability.md, known differences): none may be invented, though.
+        assert grafted <= stock
+    else:
+        assert grafted == stock
 
 
 def test_fused_calls_are_not_counted_as_fallbacks_and_odd_ones_are():

@@ -223,21 +223,22 @@ def test_helion_backward_sums_dw_over_many_row_blocks(monkeypatch):
 @needs_helion
 @needs_interpreter_ranges
 def test_helion_route_under_aten_autograd():
+    x = torch.randn(4, 6, 48, requires_grad=True)
+    w = torch.randn(48, requires_grad=True)
+    grad = torch.randn(4, 6, 48)
+    # The float64 reference first, through ATen's own composite.
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    F.rms_norm(x64, [48], w64, 1e-6).backward(grad.double())
     # Registered at CPU, the impls run under F.rms_norm through ATen's derivative formula.
     for op, impl in (
         ("_fused_rms_norm", dsl_impl.helion_forward_impl),
         ("_fused_rms_norm_backward", dsl_impl.helion_backward_impl),
     ):
         registry.register_op_override("helion", "aten", op, "CPU", lambda *a: True, impl)
-    x = torch.randn(4, 6, 48, requires_grad=True)
-    w = torch.randn(48, requires_grad=True)
     y = F.rms_norm(x, [48], w, 1e-6)
-    grad = torch.randn_like(y)
     y.backward(grad)
     stats = registry.override_stats()
     assert stats["helion/aten::_fused_rms_norm/CPU"]["calls"] == 1
     assert stats["helion/aten::_fused_rms_norm_backward/CPU"]["calls"] == 1
-    x64 = x.detach().double().requires_grad_()
-    w64 = w.detach().double().requires_grad_()
-    F.rms_norm(x64, [48], w64, 1e-6).backward(grad.double())
     assert rel_err(x.grad, x64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5

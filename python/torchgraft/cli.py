@@ -572,9 +572,12 @@ def _registry_rows() -> list[dict[str, Any]]:
     rows = []
     for o in list_overrides():
         installed = getattr(o, "installed", True)
-        state = (
-            "active" if o.active and installed else ("filtered" if not o.active else "suspended")
-        )
+        if not getattr(o, "op_available", True):
+            state = "unavailable"
+        elif o.active:
+            state = "active" if installed else "suspended"
+        else:
+            state = "filtered"
         rows.append(
             {
                 "op": o.op,
@@ -595,7 +598,7 @@ def list_rows() -> list[dict[str, Any]]:
     import torch  # noqa: F401  (libtorch first: the native extension looks it up)
 
     from torchgraft import native
-    from torchgraft.bench.routes import _torch_native_registry
+    from torchgraft._registry import torch_native
 
     rows = [
         {
@@ -610,20 +613,18 @@ def list_rows() -> list[dict[str, Any]]:
         for g in native.grafts()
     ]
     rows += _registry_rows()
-    registry = _torch_native_registry()
-    for (op_symbol, key), nodes in (getattr(registry, "_graphs", None) or {}).items():
-        for node in nodes:
-            rows.append(
-                {
-                    "op": f"aten::{op_symbol}",
-                    "dispatch_key": key,
-                    "route": f"torch._native/{getattr(node, 'dsl_name', '?')}",
-                    "state": "active" if getattr(node, "active", True) else "filtered",
-                    "calls": None,
-                    "fallbacks": None,
-                    "source": "torch._native",
-                }
-            )
+    rows += [
+        {
+            "op": o.op,
+            "dispatch_key": o.dispatch_key,
+            "route": f"torch._native/{o.dsl}",
+            "state": "active" if o.active else "filtered",
+            "calls": None,
+            "fallbacks": None,
+            "source": "torch._native",
+        }
+        for o in torch_native.overrides()
+    ]
     return rows
 
 

@@ -10,31 +10,240 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgraft.ops.cross_entropy import custom_op as _ce
 from torchgraft.ops.glu import custom_op as _glu  # noqa: F401  (defines the ops' autograd)
+from torchgraft.ops.linear_cross_entropy import custom_op as _lce  # noqa: F401  (autograd)
+from torchgraft.ops.rope import custom_op as _rope  # noqa: F401  (defines the ops' autograd)
 
-__all__ = ["geglu", "swiglu"]
+__all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rope", "swiglu"]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tensor:
     """``F.silu(gate) * up`` in one pass (computed in float32, float64 for float64 inputs).
 
     Args:
         gate: The gate projection, any shape, a floating dtype.
         up: The up projection: the same shape, dtype and device as ``gate``.
+        inplace_backward: Write the gradients of ``gate`` and ``up`` over ``gate`` and ``up``
+            in the backward instead of allocating them (Liger-Kernel's trick: the backward
+            then needs no memory of its own). Only for callers that own ``gate`` and ``up``:
+            intermediate results (e.g. an MLP's fresh gate and up projections) that nothing
+            reads after the backward. Autograd raises if another recorded op saved them (their
+            version counter moves); leaves, tensors that do not require grad and
+            non-contiguous tensors get ordinary allocated gradients. On CPU the kernel
+            computes into temporaries and copies: the memory saving is on the GPU.
     """
-    return torch.ops.torchgraft.swiglu(gate, up)
+    return torch.ops.torchgraft.swiglu(gate, up, inplace_backward=inplace_backward)
 
 
-def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+def geglu(
+    gate: Tensor, up: Tensor, approximate: str = "none", *, inplace_backward: bool = False
+) -> Tensor:
     """``F.gelu(gate, approximate=approximate) * up`` in one pass.
 
     Args:
         gate: The gate projection, any shape, a floating dtype.
         up: The up projection: the same shape, dtype and device as ``gate``.
         approximate: ``"none"`` (exact, erf) or ``"tanh"``, as for ``F.gelu``.
+        inplace_backward: As for [`swiglu`][]: the backward writes the gradients over ``gate``
+            and ``up`` (only for callers that own them and never read them afterwards).
     """
     if approximate not in _GELU_APPROXIMATIONS:
         raise RuntimeError(f"approximate argument must be either none or tanh, got {approximate!r}")
-    return torch.ops.torchgraft.geglu(gate, up, approximate == "tanh")
+    return torch.ops.torchgraft.geglu(
+        gate, up, approximate == "tanh", inplace_backward=inplace_backward
+    )
+
+
+def rope(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding of ``q`` and ``k`` in one pass: transformers'
+    ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q) * sin``, ``rotate_half`` mapping the
+    last dimension's halves ``[x1, x2]`` to ``[-x2, x1]``).
+
+    ``cos`` and ``sin`` are unsqueezed at ``unsqueeze_dim`` and broadcast against ``q`` and
+    ``k``: ``(B, S, D)`` tables with ``(B, H, S, D)`` heads (``unsqueeze_dim=1``, the default) or
+    ``(B, S, H, D)`` heads (``unsqueeze_dim=2``). ``q`` and ``k`` may have different head counts
+    (grouped-query attention) and any strides (e.g. transposed views of the projections): they
+    are read in place. When ``cos.size(-1)`` is smaller than the head dimension, only the leading
+    ``cos.size(-1)`` elements of each head are rotated and the rest pass through (partial rotary
+    embeddings, as Phi-3 and GPT-NeoX apply them). The interleaved (GPT-J) convention is not
+    this one.
+
+    Each output has its input's strides when the input is dense (as eager's elementwise ops
+    give), else it is contiguous. Arithmetic is in float32 (float64 for float64), each element
+    rounded once; inputs of different dtypes are computed in their promoted dtype, as eager
+    promotes them.
+
+    Args:
+        q: Queries, ``(..., D)``, a floating dtype.
+        k: Keys, ``(..., D)``, on ``q``'s device.
+        cos: Cosine table; its last size (even, at most ``D``) is the rotary dimension.
+        sin: Sine table, the size of ``cos``.
+        unsqueeze_dim: Where ``cos`` and ``sin`` get the dimension they broadcast over.
+
+    Returns:
+        ``(q_embed, k_embed)``, shaped like ``q`` and ``k``.
+    """
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
+        raise TypeError(f"unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__}")
+    q_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    k_dtype = torch.promote_types(k.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    if q.dtype == k.dtype == cos.dtype == sin.dtype:
+        return torch.ops.torchgraft.rope(q, k, cos, sin, unsqueeze_dim)
+    common = torch.promote_types(q_dtype, k_dtype)
+    q_embed, k_embed = torch.ops.torchgraft.rope(
+        q.to(common), k.to(common), cos.to(common), sin.to(common), unsqueeze_dim
+    )
+    return q_embed.to(q_dtype), k_embed.to(k_dtype)
+
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _reduction(reduction: str) -> int:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    return _REDUCTIONS[reduction]
+
+
+def _rows_target(target: Tensor, rows: int) -> Tensor:
+    """``target`` as the ``(rows,)`` int64 vector the ops take, checked as ATen checks it."""
+    flat = target.reshape(-1)
+    if flat.shape[0] != rows:
+        raise ValueError(
+            f"Expected input batch_size ({rows}) to match target batch_size ({flat.shape[0]})."
+        )
+    return flat.long() if flat.dtype == torch.uint8 else flat
+
+
+def _index_error(exc: RuntimeError) -> Exception:
+    """ATen raises IndexError for an out-of-range target; the native kernels' errors are
+    RuntimeErrors with the same text."""
+    message = str(exc)
+    if message.startswith("Target ") and message.endswith(" is out of bounds."):
+        return IndexError(message)
+    return exc
+
+
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    inplace_backward: bool = False,
+) -> Tensor:
+    """``F.cross_entropy(logits.float(), target, ...)`` in one pass over the logits.
+
+    The logits are read in their own dtype (no float32 copy); the loss is float32 (float64 for
+    float64 logits). The gradient is computed in the same pass and kept for the backward, which
+    only multiplies it by the upstream gradient.
+
+    Args:
+        logits: ``(..., V)`` scores, a floating dtype; the leading dimensions are flattened into
+            rows (as language models do before their loss; ``F.cross_entropy`` would read a 3-D
+            input's dimension 1 as the classes).
+        target: Class indices (int64 or uint8) with as many elements as there are rows; rows
+            whose target is ``ignore_index`` count for nothing. Any other target outside
+            ``[0, V)`` raises ``IndexError`` on the CPU and fails a device-side assertion on
+            CUDA, as in ATen.
+        ignore_index: Target value of rows to skip.
+        reduction: ``"mean"`` (over the rows not ignored; NaN if there are none), ``"sum"`` or
+            ``"none"`` (one loss per row, shaped like ``target``).
+        label_smoothing: In ``[0, 1]``, as for ``F.cross_entropy`` (negative values mean none).
+        inplace_backward: Write the gradient over ``logits`` instead of a new buffer: no memory
+            beyond the logits' own. Safe only when the caller owns ``logits`` and nothing reads
+            them after this call: not the caller (the values are gone), not another loss or
+            metric, not an autograd node that saved them for its backward (their version counter
+            is bumped, so such a node raises instead of computing a wrong gradient), and when the
+            backward runs at most once (a second one raises). ``logits`` must not be a leaf that
+            requires grad. Ignored (a new buffer is used) under ``torch.compile`` or any
+            tracing, without gradients, and for non-contiguous logits.
+    """
+    red = _reduction(reduction)
+    if logits.dim() < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {logits.dim()})")
+    rows = logits.reshape(-1, logits.shape[-1])
+    flat_target = _rows_target(target, rows.shape[0])
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    in_place = inplace_backward and compute_grad and rows.is_contiguous() and _ce.eager(rows)
+    if in_place and logits.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation."
+        )
+    try:
+        if in_place:
+            loss = _ce.CrossEntropyInPlace.apply(
+                rows, flat_target, ignore_index, red, label_smoothing
+            )
+        else:
+            loss, _ = torch.ops.torchgraft.cross_entropy(
+                rows, flat_target, ignore_index, red, label_smoothing, compute_grad
+            )
+    except RuntimeError as exc:
+        raise _index_error(exc) from None
+    return loss.reshape(target.shape) if red == 0 else loss
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """``F.cross_entropy((hidden @ weight.T + bias).float(), target, ...)`` without the logits.
+
+    The rows are processed in chunks: each chunk's logits are computed into one reused buffer,
+    turned into their gradient in place, and multiplied into the gradients of ``hidden``,
+    ``weight`` and ``bias`` right away (those that require grad), so the full ``(N, V)`` logits
+    never exist. The weight gradient accumulates in the weight's dtype (one rounding per chunk,
+    as Liger-Kernel's default). The loss is float32 (float64 for float64 inputs). Under
+    autocast the matmul's operands are cast as ``F.linear`` casts them.
+
+    Args:
+        hidden: ``(..., H)`` hidden states; the leading dimensions are flattened into rows.
+        weight: ``(V, H)`` lm-head weight, the dtype and device of ``hidden``.
+        target: Class indices with one element per row; see :func:`cross_entropy`.
+        bias: Optional ``(V,)`` bias.
+        ignore_index: Target value of rows to skip.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (then the backward runs the chunks again
+            with each row's upstream gradient).
+        chunk_size: Rows per chunk; by default a logits buffer about the size of ``hidden``
+            (at least 256 rows). Larger chunks are faster and round the weight gradient fewer
+            times, and cost ``chunk_size * V`` elements.
+    """
+    red = _reduction(reduction)
+    if hidden.dim() < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {hidden.dim()})")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    flat_target = _rows_target(target, rows.shape[0])
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        # As F.linear under autocast: the matmul's operands in the autocast dtype.
+        dtype = torch.get_autocast_dtype(device)
+        rows, weight = rows.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    grad = torch.is_grad_enabled()
+    mask = [
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    ]
+    try:
+        loss = torch.ops.torchgraft.linear_cross_entropy(
+            rows, weight, flat_target, bias, ignore_index, red, chunk_size or 0, mask
+        )[0]
+    except RuntimeError as exc:
+        raise _index_error(exc) from None
+    return loss.reshape(target.shape) if red == 0 else loss

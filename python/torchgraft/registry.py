@@ -1,13 +1,15 @@
-"""The graft registry: torch._native's override API on torch 2.11, 2.12 and 2.13+.
+"""The graft registry: torch._native's override API on torch 2.11 to 2.15.
 
-A kernel written in any DSL takes over an aten op at one backend dispatch key, for every call or
+A kernel written in any DSL takes over an op at one backend dispatch key, for every call or
 for the calls its ``cond`` accepts; every other call falls through to the kernel that was there
 before. One router per (op, dispatch key) is installed through ``torch.library``:
 
 * each call tries the conds in order (registration order, or what the ordering function makes
-  of it); the first match runs its impl;
+  of it); the first match runs its impl, whose result is checked against the op's schema and
+  meta (``_registry/outputs.py``);
 * no match calls the previous kernel, captured with ``torch.library.get_kernel`` when the router
-  was installed and called with ``call_boxed``;
+  was installed and called with ``call_boxed`` (captured again whenever what is below changes,
+  ``_registry/slots.py``);
 * inside an impl (or cond), calling the same op again, directly or from nested ops, reaches the
   previous kernel instead of the router (a per-thread guard), which is how an impl falls back.
 
@@ -30,17 +32,21 @@ from typing import Any
 import torch
 import torch.library
 
-from ._registry import env
+from ._registry import env, slots
 from ._registry.compile import make_compile_router, opaque_op
 from ._registry.nodes import OverrideNode, RouteGuard, always_true
-from ._registry.router import aliased_returns, make_router, missing_kernel
+from ._registry.outputs import OverrideResultError
+from ._registry.slots import Slot
 
 __all__ = [
+    "ALLOWED_LIB_SYMBOLS",
     "OverrideInfo",
     "OverrideNode",
+    "OverrideResultError",
     "UserOrderingFn",
     "clear_overrides",
     "deregister_op_overrides",
+    "get_dsl_operations",
     "list_overrides",
     "native_decomp_table",
     "override_stats",
@@ -55,8 +61,12 @@ __all__ = [
 log = logging.getLogger("torchgraft.registry")
 
 #: ``fn(op_symbol, dispatch_key, nodes) -> nodes``: reorders, or drops, the enabled overrides of
-#: one (op, key). Same shape as torch 2.13's ``torch._native.registry.UserOrderingFn``.
+#: one (op, key). Same shape as torch's ``torch._native.registry.UserOrderingFn``.
 UserOrderingFn = Callable[[str, str, list[OverrideNode]], list[OverrideNode]]
+
+#: Namespaces whose ops can be overridden: aten, and torch_nn (torch 2.15's Python-defined ops
+#: such as ``torch_nn::_linear_cross_entropy_batch_chunked``), as in torch._native.
+ALLOWED_LIB_SYMBOLS = frozenset({"aten", "torch_nn"})
 
 #: Keys where a router cannot live: the opaque op's fake kernel calls the aten op, and alias keys
 #: are not places a kernel can be fetched from or fall back to.
@@ -79,7 +89,7 @@ class OverrideInfo:
     op: str
     op_symbol: str
     dispatch_key: str
-    #: Enabled by the filters and kept by the ordering function.
+    #: Enabled by the filters and kept by the ordering function (never for a missing op).
     active: bool
     #: Its router is in the dispatcher right now (False while routers are suspended).
     installed: bool
@@ -97,30 +107,18 @@ class OverrideInfo:
     node_id: str
     impl: str
     cond: str | None
-
-
-@dataclass(eq=False)
-class _Slot:
-    """Everything about one (op, dispatch key): its overrides and its installed router."""
-
-    op_symbol: str
-    dispatch_key: str
-    overload: torch._ops.OpOverload
-    guard: RouteGuard
-    #: Registration order.
-    nodes: list[OverrideNode] = field(default_factory=list)
-    #: What the router tries, in order (filters and ordering function applied).
-    chain: tuple[OverrideNode, ...] = ()
-    lib: torch.library.Library | None = None
-
-    @property
-    def qualname(self) -> str:
-        return f"aten::{self.op_symbol}"
+    #: Namespace of the op (``"aten"``).
+    lib_symbol: str = "aten"
+    #: This torch has the op; an override of an op it lacks is kept but never active.
+    op_available: bool = True
+    #: Strict mode: calls compared with the kernel below, and the largest difference seen.
+    shadow_checks: int = 0
+    max_error: float = 0.0
 
 
 @dataclass
 class _Filters:
-    """Sticky deregistration filters (torch 2.13 semantics): a node matching any set is off."""
+    """Sticky deregistration filters (torch._native semantics): a node matching any set is off."""
 
     dsl_names: set[str] = field(default_factory=set)
     op_symbols: set[str] = field(default_factory=set)
@@ -134,43 +132,53 @@ class _Filters:
         )
 
 
+_SlotKey = tuple[str, str, str]
+
 _lock = threading.RLock()
-_slots: dict[tuple[str, str], _Slot] = {}
+_slots: dict[_SlotKey, Slot] = {}
 # Guards outlive slots: opaque-op kernels compiled into graphs keep using theirs.
-_guards: dict[tuple[str, str], RouteGuard] = {}
+_guards: dict[_SlotKey, RouteGuard] = {}
 _filters = _Filters()
 _order_fn: UserOrderingFn | None = None
 _suspend_depth = 0
 _node_ids = itertools.count()
 _compile_routers: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 
-# The dispatcher warns (once per process) when a kernel replaces another at the same key;
-# stacking kernels is what the registry is for.
-_OVERRIDE_WARNING = r"(?s).*(Overriding a previously registered kernel|other operators may also)"
-
 
 # ----------------------------------------------------------------------------- validation
 
 
-def _normalize_op_symbol(op_symbol: str) -> str:
+def _normalize_op_symbol(op_symbol: str, lib_symbol: str = "aten") -> str:
     """``"aten::mm.default"`` / ``"mm.default"`` / ``"mm"`` -> ``"mm"``; keeps other overloads."""
     if not isinstance(op_symbol, str) or not op_symbol.strip():
         raise TypeError(f"op_symbol must be a non-empty string, got {op_symbol!r}")
     symbol = op_symbol.strip()
-    if symbol.startswith("aten::"):
-        symbol = symbol[len("aten::") :]
+    prefix = f"{lib_symbol}::"
+    if symbol.startswith(prefix):
+        symbol = symbol[len(prefix) :]
     if symbol.endswith(".default"):
         symbol = symbol[: -len(".default")]
     return symbol
 
 
-def _resolve_overload(op_symbol: str) -> torch._ops.OpOverload:
+def _resolve_overload(lib_symbol: str, op_symbol: str) -> torch._ops.OpOverload | None:
+    """The op ``lib_symbol::op_symbol``, or None when this torch does not have it."""
     name, _, overload_name = op_symbol.partition(".")
     try:
-        packet = getattr(torch.ops.aten, name)
+        packet = getattr(getattr(torch.ops, lib_symbol), name)
         return getattr(packet, overload_name or "default")
     except (AttributeError, RuntimeError):
-        raise ValueError(f"aten has no operator {op_symbol!r}") from None
+        return None
+
+
+def _validate_lib_symbol(lib_symbol: str) -> str:
+    if lib_symbol not in ALLOWED_LIB_SYMBOLS:
+        # "Unsupported lib_symbol" / "is not overridable": the wordings torch._native uses.
+        raise ValueError(
+            f"Unsupported lib_symbol={lib_symbol!r}: it is not overridable; expected one of "
+            f"{sorted(ALLOWED_LIB_SYMBOLS)}"
+        )
+    return lib_symbol
 
 
 def _validate_dispatch_key(dispatch_key: str) -> str:
@@ -211,8 +219,8 @@ def _node_id(op_symbol: str, dsl: str) -> str:
     return re.sub(r"\W", "_", raw)
 
 
-def _stats_key(dsl: str, op_symbol: str, dispatch_key: str) -> str:
-    base = f"{dsl}/aten::{op_symbol}/{dispatch_key}"
+def _stats_key(dsl: str, qualname: str, dispatch_key: str) -> str:
+    base = f"{dsl}/{qualname}/{dispatch_key}"
     taken = {n.stats_key for slot in _slots.values() for n in slot.nodes}
     if base not in taken:
         return base
@@ -229,7 +237,7 @@ def _current_order_fn() -> UserOrderingFn | None:
     return _order_fn if _order_fn is not None else env.env_order_fn()
 
 
-def _ordered(slot: _Slot, enabled: list[OverrideNode]) -> list[OverrideNode]:
+def _ordered(slot: Slot, enabled: list[OverrideNode]) -> list[OverrideNode]:
     """Apply the ordering function; on any misbehaviour keep registration order (and say why)."""
     if not enabled:
         return enabled
@@ -243,10 +251,13 @@ def _ordered(slot: _Slot, enabled: list[OverrideNode]) -> list[OverrideNode]:
     try:
         result = fn(slot.op_symbol, slot.dispatch_key, list(enabled))
     except Exception:
-        log.exception(
-            "override ordering function failed for %s at %s; keeping registration order",
+        # "Graph transformation failed": torch._native's wording for the same event.
+        log.warning(
+            "Graph transformation failed for %s at %s: the override ordering function raised; "
+            "keeping registration order",
             slot.qualname,
             slot.dispatch_key,
+            exc_info=True,
         )
         return enabled
     allowed = {id(n) for n in enabled}
@@ -269,55 +280,27 @@ def _ordered(slot: _Slot, enabled: list[OverrideNode]) -> list[OverrideNode]:
     return result
 
 
-def _teardown(slot: _Slot) -> None:
-    if slot.lib is not None:
-        slot.lib._destroy()
-        slot.lib = None
-        log.debug("router removed: %s at %s", slot.qualname, slot.dispatch_key)
+def _recapture_for(slot: Slot) -> Callable[[], Callable[..., Any]]:
+    """What a router calls when its captured kernel is invalidated: re-stack, return the new one."""
+
+    def recapture() -> Callable[..., Any]:
+        with _lock:
+            reinstall = bool(slot.chain) and _suspend_depth == 0 and _slots.get(slot.key) is slot
+            return slots.restack(slot, recapture, reinstall=reinstall)
+
+    return recapture
 
 
-def _capture_fallback(slot: _Slot) -> Callable[..., Any]:
-    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(
-        slot.qualname, slot.dispatch_key
-    ):
-        return missing_kernel(slot.qualname, slot.dispatch_key)
-    return torch.library.get_kernel(slot.qualname, slot.dispatch_key).call_boxed
-
-
-def _install(slot: _Slot) -> None:
-    """Install the router for ``slot.chain`` on top of whatever kernel is there now."""
-    schema = slot.overload._schema
-    router = make_router(
-        slot.chain,
-        _capture_fallback(slot),
-        slot.guard,
-        aliased_returns(schema),
-        len(schema.returns),
-    )
-    lib = torch.library.Library("aten", "IMPL")
-    claims: set[str] | None = getattr(torch.library, "_impls", None)
-    claim = f"aten/{slot.op_symbol}/{slot.dispatch_key}"
-    had_claim = claims is not None and claim in claims
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING, category=UserWarning)
-        lib.impl(slot.op_symbol, router, slot.dispatch_key, with_keyset=True, allow_override=True)
-    # Library.impl claims (op, key) for Python libraries, which makes any later Python
-    # registration there (torch._native's router, for one) fail. The dispatcher stacks kernels,
-    # so give the claim back, and make sure tearing ours down never drops someone else's.
-    getattr(lib, "_op_impls", set()).discard(claim)
-    if claims is not None and not had_claim:
-        claims.discard(claim)
-    slot.lib = lib
-    log.debug(
-        "router installed: %s at %s -> %s",
-        slot.qualname,
-        slot.dispatch_key,
-        [n.stats_key for n in slot.chain],
-    )
-
-
-def _sync(slot: _Slot, *, force: bool = False) -> None:
+def _sync(slot: Slot, *, force: bool = False) -> None:
     """Bring the dispatcher in line with the slot's nodes, filters and ordering."""
+    if slot.overload is None:
+        # Ops defined by Python modules (torch_nn's) appear once their module is imported.
+        slot.overload = _resolve_overload(slot.lib_symbol, slot.op_symbol)
+    if slot.overload is None:
+        # This torch lacks the op: keep the overrides registered, never active.
+        for node in slot.nodes:
+            node.active = False
+        return
     enabled = [n for n in slot.nodes if _filters.enabled(n)]
     chain = tuple(_ordered(slot, enabled))
     kept = {id(n) for n in chain}
@@ -326,10 +309,10 @@ def _sync(slot: _Slot, *, force: bool = False) -> None:
     want_installed = bool(chain) and _suspend_depth == 0
     if not force and chain == slot.chain and (slot.lib is not None) == want_installed:
         return
-    _teardown(slot)
+    slots.teardown(slot)
     slot.chain = chain
     if want_installed:
-        _install(slot)
+        slots.install(slot, _recapture_for(slot))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -347,41 +330,43 @@ def register_op_override(
     allow_multiple_override: bool = False,
     with_keyset: bool = False,
 ) -> OverrideInfo | None:
-    """Override ``aten::<op_symbol>`` at ``dispatch_key`` with ``impl`` where ``cond`` holds.
+    """Override ``lib_symbol::op_symbol`` at ``dispatch_key`` with ``impl`` where ``cond`` holds.
 
     Args:
         dsl: Name of the DSL the impl is written in ("triton", "cutedsl", ...); used by filters.
-        lib_symbol: Must be ``"aten"``.
+        lib_symbol: The op's namespace: ``"aten"`` (or ``"torch_nn"``, see
+            :data:`ALLOWED_LIB_SYMBOLS`).
         op_symbol: ``"bmm"`` (default overload) or ``"add_.Tensor"``.
         dispatch_key: A backend key such as ``"CPU"`` or ``"CUDA"``. Meta, alias keys
             (CompositeImplicitAutograd, CompositeExplicitAutograd, ...) are refused.
         cond: ``cond(*args, **kwargs) -> bool`` with the op's arguments; None only together with
             ``unconditional_override=True`` (or ``with_keyset=True``): take every call.
-        impl: ``impl(*args, **kwargs)`` returning what the aten op returns (for in-place and
-            out= ops: the mutated argument itself). Calling the same op inside it reaches the
-            kernel that was there before the router.
+        impl: ``impl(*args, **kwargs)`` returning what the op returns (for in-place and out=
+            ops: the mutated argument itself). Calling the same op inside it reaches the kernel
+            that was there before the router. Its results are checked against the op's schema
+            and meta (:class:`OverrideResultError` when they differ).
         unconditional_override: The override takes every call when ``cond`` is None.
-        allow_multiple_override: Allow a second, different override of the same DSL at the same
-            (op, key). Registering the very same (cond, impl) again is a no-op either way.
+        allow_multiple_override: Accepted for torch._native compatibility; several overrides of
+            one DSL at one (op, key) are always allowed (tried in registration order).
+            Registering the very same (cond, impl) again is a no-op.
         with_keyset: ``impl`` receives the ``torch.DispatchKeySet`` first (the older form of the
             seeds and torch 2.12); with ``cond=None`` it then takes every call and decides itself.
 
     Returns:
         A snapshot of the registered override, or None when the kill switch
-        (``TORCHGRAFT_DISABLE=1``) made registration a no-op.
+        (``TORCHGRAFT_DISABLE=1``) made registration a no-op. An override of an op this torch
+        does not have is kept, inactive, with a warning (code written for a newer torch still
+        imports on an older one).
 
     Raises:
-        ValueError: bad lib_symbol, op or dispatch key, ``cond=None`` without an unconditional
-            form, a duplicate override, or a ``TORCHGRAFT_OVERRIDE_ORDER_FN`` that cannot be
-            imported.
+        ValueError: bad lib_symbol or dispatch key, ``cond=None`` without an unconditional
+            form, or a ``TORCHGRAFT_OVERRIDE_ORDER_FN`` that cannot be imported.
         TypeError: cond or impl is not callable.
     """
     if not isinstance(dsl, str) or not dsl.strip():
         raise ValueError(f"dsl must be a non-empty string, got {dsl!r}")
-    if lib_symbol != "aten":
-        raise ValueError(f'lib_symbol must be "aten", got {lib_symbol!r}')
-    symbol = _normalize_op_symbol(op_symbol)
-    overload = _resolve_overload(symbol)
+    lib = _validate_lib_symbol(lib_symbol)
+    symbol = _normalize_op_symbol(op_symbol, lib)
     key = _validate_dispatch_key(dispatch_key)
     if not callable(impl):
         raise TypeError(f"impl must be callable, got {type(impl).__name__}")
@@ -389,7 +374,7 @@ def register_op_override(
         if not (unconditional_override or with_keyset):
             raise ValueError(
                 "cond must be provided unless unconditional_override=True "
-                f"(registering {dsl} for aten::{symbol} at {key})"
+                f"(registering {dsl} for {lib}::{symbol} at {key})"
             )
         cond = always_true
     elif not callable(cond):
@@ -397,9 +382,10 @@ def register_op_override(
 
     if env.kill_switch_set():
         log.info(
-            "%s=1: not registering the %s override of aten::%s at %s",
+            "%s=1: not registering the %s override of %s::%s at %s",
             env.DISABLE_ENV,
             dsl,
+            lib,
             symbol,
             key,
         )
@@ -407,23 +393,31 @@ def register_op_override(
     _current_order_fn()  # a bad TORCHGRAFT_OVERRIDE_ORDER_FN is reported here, to the caller
 
     with _lock:
-        slot = _slots.get((symbol, key))
-        same_dsl = [n for n in slot.nodes if n.dsl_name == dsl] if slot is not None else []
-        for node in same_dsl:
-            if node.impl_fn is impl and node.cond_fn is cond and node.with_keyset == with_keyset:
+        slot = _slots.get((lib, symbol, key))
+        for node in slot.nodes if slot is not None else ():
+            if (
+                node.dsl_name == dsl
+                and node.impl_fn is impl
+                and node.cond_fn is cond
+                and node.with_keyset == with_keyset
+            ):
                 log.debug("%s is already registered; nothing to do", node.stats_key)
-                return _info(slot, node)  # type: ignore[arg-type]  # same_dsl implies a slot
-        if same_dsl and not allow_multiple_override:
-            raise ValueError(
-                f"{dsl} already overrides aten::{symbol} at {key} ({same_dsl[0].stats_key}); "
-                "pass allow_multiple_override=True to add another override"
-            )
+                return _info(slot, node)  # type: ignore[arg-type]  # a node implies a slot
         if slot is None:
-            guard = _guards.setdefault((symbol, key), RouteGuard())
-            slot = _Slot(symbol, key, overload, guard)
-            _slots[(symbol, key)] = slot
+            overload = _resolve_overload(lib, symbol)
+            if overload is None:
+                warnings.warn(
+                    f"torchgraft: {lib}::{symbol} does not exist in torch {torch.__version__}; "
+                    f"the {dsl} override at {key} is kept but stays inactive",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            guard = _guards.setdefault((lib, symbol, key), RouteGuard())
+            slot = Slot(lib, symbol, key, overload, guard)
+            _slots[slot.key] = slot
         node = OverrideNode(
             dsl_name=dsl,
+            lib_symbol=lib,
             op_symbol=symbol,
             dispatch_key=key,
             cond_fn=cond,
@@ -431,7 +425,7 @@ def register_op_override(
             node_id=_node_id(symbol, dsl),
             unconditional_override=unconditional_override,
             with_keyset=with_keyset,
-            stats_key=_stats_key(dsl, symbol, key),
+            stats_key=_stats_key(dsl, slot.qualname, key),
         )
         slot.nodes.append(node)
         try:
@@ -510,7 +504,7 @@ def reorder_overrides(fn: UserOrderingFn | None) -> None:
             _sync(slot)
 
 
-def _info(slot: _Slot, node: OverrideNode) -> OverrideInfo:
+def _info(slot: Slot, node: OverrideNode) -> OverrideInfo:
     position = next((i for i, n in enumerate(slot.chain) if n is node), None)
     return OverrideInfo(
         dsl=node.dsl_name,
@@ -528,6 +522,10 @@ def _info(slot: _Slot, node: OverrideNode) -> OverrideInfo:
         node_id=node.node_id,
         impl=_describe(node.impl_fn) or "",
         cond=None if node.cond_fn is always_true else _describe(node.cond_fn),
+        lib_symbol=slot.lib_symbol,
+        op_available=slot.overload is not None,
+        shadow_checks=node.shadow_checks,
+        max_error=node.max_error,
     )
 
 
@@ -537,7 +535,31 @@ def list_overrides() -> list[OverrideInfo]:
         return [_info(slot, node) for slot in _slots.values() for node in slot.nodes]
 
 
-def override_stats() -> dict[str, dict[str, int]]:
+def _node_stats(node: OverrideNode) -> dict[str, float]:
+    stats: dict[str, float] = {"calls": node.calls, "fallbacks": node.fallbacks}
+    if node.shadow_checks:
+        stats["shadow_checks"] = node.shadow_checks
+        stats["max_error"] = node.max_error
+    return stats
+
+
+def get_dsl_operations(dsl_name: str, lib_symbol: str = "aten") -> list[str]:
+    """The op symbols ``dsl_name`` has overrides for in namespace ``lib_symbol``, sorted.
+
+    torch._native's function of the same name and meaning (one namespace per call: op symbols
+    are unique within a namespace, not across them).
+    """
+    with _lock:
+        return sorted(
+            {
+                slot.op_symbol
+                for slot in _slots.values()
+                if slot.lib_symbol == lib_symbol and any(n.dsl_name == dsl_name for n in slot.nodes)
+            }
+        )
+
+
+def override_stats() -> dict[str, dict[str, float]]:
     """``{"<dsl>/<op>/<key>": {"calls": n, "fallbacks": m}}`` for every registered override.
 
     ``calls`` counts the times the impl was entered (eager router and compiled graphs alike).
@@ -545,22 +567,26 @@ def override_stats() -> dict[str, dict[str, int]]:
     returned False (the call went on to the next override or the previous kernel), or its impl
     called the op again and so reached the previous kernel (the seed's ``_smart_rms_norm`` gate
     for small shapes). Counts are plain integers; under heavy multithreading they may miss a few.
+
+    In strict mode (``TORCHGRAFT_STRICT=1``) an override whose results were compared with the
+    kernel below also has ``shadow_checks`` (how many) and ``max_error`` (the largest absolute
+    elementwise difference seen; ``inf`` where NaNs, None or shapes disagreed).
     """
     with _lock:
         return {
-            node.stats_key: {"calls": node.calls, "fallbacks": node.fallbacks}
-            for slot in _slots.values()
-            for node in slot.nodes
+            node.stats_key: _node_stats(node) for slot in _slots.values() for node in slot.nodes
         }
 
 
 def reset_stats() -> None:
-    """Set every override's ``calls`` and ``fallbacks`` back to zero."""
+    """Set every override's counters (and strict-mode errors) back to zero."""
     with _lock:
         for slot in _slots.values():
             for node in slot.nodes:
                 node.calls = 0
                 node.fallbacks = 0
+                node.shadow_checks = 0
+                node.max_error = 0.0
 
 
 @contextlib.contextmanager
@@ -578,7 +604,7 @@ def suspend_routers() -> Iterator[None]:
         _suspend_depth += 1
         if _suspend_depth == 1:
             for slot in _slots.values():
-                _teardown(slot)
+                slots.teardown(slot)
     try:
         yield
     finally:
@@ -598,14 +624,14 @@ def remove_override(info: OverrideInfo) -> bool:
     left. Returns whether the override was registered.
     """
     with _lock:
-        slot = _slots.get((info.op_symbol, info.dispatch_key))
+        slot = _slots.get((info.lib_symbol, info.op_symbol, info.dispatch_key))
         node = next((n for n in slot.nodes if n.node_id == info.node_id), None) if slot else None
         if slot is None or node is None:
             return False
         slot.nodes.remove(node)
         _sync(slot, force=True)
         if not slot.nodes:
-            del _slots[(info.op_symbol, info.dispatch_key)]
+            del _slots[slot.key]
         log.debug("removed %s", node.stats_key)
         return True
 
@@ -619,7 +645,7 @@ def clear_overrides() -> None:
     global _order_fn
     with _lock:
         for slot in _slots.values():
-            _teardown(slot)
+            slots.teardown(slot)
         _slots.clear()
         _compile_routers.clear()
         _filters.dsl_names.clear()
@@ -628,9 +654,9 @@ def clear_overrides() -> None:
         _order_fn = None
 
 
-def _compile_lookup(op_symbol: str) -> Callable[[str], Any]:
+def _compile_lookup(lib_symbol: str, op_symbol: str) -> Callable[[str], Any]:
     def lookup(dispatch_key: str) -> tuple[tuple[OverrideNode, ...], RouteGuard] | None:
-        slot = _slots.get((op_symbol, dispatch_key))
+        slot = _slots.get((lib_symbol, op_symbol, dispatch_key))
         if slot is None or not slot.chain:
             return None
         return slot.chain, slot.guard
@@ -659,13 +685,15 @@ def native_decomp_table(overrides_only: bool = False) -> dict[Any, Callable[...,
         table.update(default_decompositions())
     with _lock:
         for slot in _slots.values():
-            if not slot.chain:
+            overload = slot.overload
+            if not slot.chain or overload is None:
                 continue
             for node in slot.chain:
-                opaque_op(node, slot.overload, slot.guard)  # define outside of any tracing
-            router = _compile_routers.get(slot.overload)
+                opaque_op(node, overload, slot.guard)  # define outside of any tracing
+            router = _compile_routers.get(overload)
             if router is None:
-                router = make_compile_router(slot.overload, _compile_lookup(slot.op_symbol))
-                _compile_routers[slot.overload] = router
-            table[slot.overload] = router
+                lookup = _compile_lookup(slot.lib_symbol, slot.op_symbol)
+                router = make_compile_router(overload, lookup)
+                _compile_routers[overload] = router
+            table[overload] = router
     return table

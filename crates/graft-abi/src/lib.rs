@@ -8,9 +8,11 @@
 //! - [`Tensor`] / [`NewTensor`]: owned tensor handles (freed exactly once) and fresh outputs.
 //! - [`Kernel`] and [`Library`]: boxed kernels for aten (or new) operators, registered at a
 //!   dispatch key and removed when the library is dropped.
-//! - [`dispatch::call`]: calling other operators through the dispatcher.
+//! - [`dispatch::call`]: calling other operators through the dispatcher; [`aten`]: the few
+//!   ATen functions it cannot reach (schemas with `Scalar`s).
 //! - [`parallel`]: torch's intra-op thread pool; [`cuda`]: current stream and device guard.
 
+pub mod aten;
 pub mod cuda;
 pub mod dispatch;
 mod dtype;
@@ -27,7 +29,7 @@ pub use error::{Error, Result};
 pub use kernel::{panic_message, Kernel};
 pub use library::Library;
 pub use stack::{CallArgs, CallOutputs, FromStable, IntoStable, KernelArgs, KernelOutputs};
-pub use tensor::{contiguous_strides, in_place_views, NewTensor, Tensor};
+pub use tensor::{contiguous_strides, in_place_views, is_dense, NewTensor, Tensor};
 
 /// Loads the stable-ABI table now, checking that this torch is one we support.
 ///

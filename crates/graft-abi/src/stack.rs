@@ -294,6 +294,15 @@ macro_rules! tuple_impls {
     };
 }
 
+/// A schema that returns nothing (an op that only mutates its arguments, e.g. in-place optimizer
+/// steps).
+impl KernelOutputs for () {
+    const COUNT: usize = 0;
+    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
+        Ok(())
+    }
+}
+
 tuple_impls!(1; A 0);
 tuple_impls!(2; A 0, B 1);
 tuple_impls!(3; A 0, B 1, C 2);
@@ -309,14 +318,6 @@ tuple_impls!(12; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11);
 tuple_impls!(13; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12);
 tuple_impls!(14; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13);
 tuple_impls!(15; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14);
-
-/// An operator that returns nothing (`-> ()`, e.g. in-place optimizer steps).
-impl KernelOutputs for () {
-    const COUNT: usize = 0;
-    unsafe fn put(self, _stack: *mut StableIValue) -> Result<()> {
-        Ok(())
-    }
-}
 
 /// A dispatcher call of an operator that returns nothing.
 impl CallOutputs for () {

@@ -125,6 +125,9 @@ symbol_table! {
         torch_new_stable_ivalue: unsafe extern "C" fn(*mut *mut StableIValue) -> AOTITorchError;
         torch_delete_stable_ivalue: unsafe extern "C" fn(*mut StableIValue) -> AOTITorchError;
         torch_exception_get_what_without_backtrace: unsafe extern "C" fn() -> *const c_char;
+        // The AOTInductor shim's addmm (its schema's Scalars cannot cross torch_call_dispatcher);
+        // marked deprecated in newer torch, so optional.
+        aoti_torch_addmm_out: unsafe extern "C" fn(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, f32, f32) -> AOTITorchError;
     }
 }
 

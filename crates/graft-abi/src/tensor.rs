@@ -145,28 +145,7 @@ impl Tensor {
     /// Whether the elements fill a dense block of memory in some order of the dimensions, with no
     /// overlap (ATen's `is_non_overlapping_and_dense`): contiguous or a permutation of it.
     pub fn is_dense(&self) -> Result<bool> {
-        if self.is_contiguous()? {
-            return Ok(true);
-        }
-        let mut dims: Vec<(i64, i64)> = self
-            .sizes()?
-            .iter()
-            .copied()
-            .zip(self.strides()?.iter().copied())
-            .filter(|&(size, _)| size != 1)
-            .collect();
-        if dims.iter().any(|&(size, _)| size == 0) {
-            return Ok(true);
-        }
-        dims.sort_by_key(|&(_, stride)| stride);
-        let mut expected = 1;
-        for (size, stride) in dims {
-            if stride != expected {
-                return Ok(false);
-            }
-            expected *= size;
-        }
-        Ok(true)
+        Ok(self.is_contiguous()? || is_dense(self.sizes()?, self.strides()?))
     }
 
     /// Address of the first element (device memory for CUDA tensors).
@@ -185,6 +164,52 @@ impl Tensor {
         // SAFETY: `host_elements` checked dtype, device, contiguity and alignment; the storage
         // holds `len` elements from `ptr` and stays alive while `self` holds its reference.
         Ok(unsafe { raw_slice(ptr as *const T, len as i64) })
+    }
+
+    /// The elements a strided CPU tensor of dtype `T` spans: from its first element (at
+    /// `data_ptr`) through its last, `1 + sum((size - 1) * stride)` elements (empty when it has
+    /// none). Element `(i_0, ..., i_n)` is at `sum(i_k * stride_k)`; the elements in between
+    /// may belong to other views of the storage.
+    pub fn as_strided_slice<T: Element>(&self) -> Result<&[T]> {
+        let (ptr, len) = self.host_span::<T>()?;
+        // SAFETY: `host_span` checked dtype, device, alignment and non-negative strides; every
+        // element of the view lies in its storage, so the span from the first to the last one
+        // does too, and the storage stays alive while `self` holds its reference.
+        Ok(unsafe { raw_slice(ptr as *const T, len as i64) })
+    }
+
+    fn host_span<T: Element>(&self) -> Result<(*mut T, usize)> {
+        self.check_host::<T>()?;
+        if self.numel()? == 0 {
+            return Ok((NonNull::dangling().as_ptr(), 0));
+        }
+        let mut len = 1usize;
+        for (&size, &stride) in self.sizes()?.iter().zip(self.strides()?) {
+            crate::ensure!(stride >= 0, "negative stride {stride}");
+            len += (size as usize - 1) * stride as usize;
+        }
+        let ptr = self.data_ptr()? as *mut T;
+        crate::ensure!(
+            (ptr as usize).is_multiple_of(std::mem::align_of::<T>()),
+            "tensor data is not aligned for {}",
+            T::DTYPE
+        );
+        Ok((ptr, len))
+    }
+
+    fn check_host<T: Element>(&self) -> Result<()> {
+        let dtype = self.dtype()?;
+        crate::ensure!(
+            dtype == T::DTYPE,
+            "expected a {} tensor, got {dtype}",
+            T::DTYPE
+        );
+        let device = self.device()?;
+        crate::ensure!(
+            device.kind == DeviceType::CPU,
+            "expected a CPU tensor, got {device}"
+        );
+        Ok(())
     }
 
     fn host_elements<T: Element>(&self) -> Result<(*mut T, usize)> {
@@ -342,6 +367,21 @@ impl NewTensor {
         )?))
     }
 
+    /// The elements of a CPU tensor allocated dense (every element of its storage span belongs
+    /// to it, in any dimension order), writable, in memory order.
+    pub fn as_mut_dense_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        crate::ensure!(
+            is_dense(self.0.sizes()?, self.0.strides()?),
+            "expected a tensor without gaps or overlaps"
+        );
+        let (ptr, len) = self.0.host_span::<T>()?;
+        // SAFETY: as in `Tensor::as_strided_slice`; the span holds exactly the tensor's own
+        // elements (dense: no gaps, no overlaps, checked above), and this tensor was freshly
+        // allocated by us with no other handle to it (NewTensor never hands one out), so the
+        // slice is unique.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+    }
+
     /// The elements of a contiguous CPU tensor, writable.
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
         let (ptr, len) = self.0.host_elements::<T>()?;
@@ -359,6 +399,30 @@ impl NewTensor {
     pub fn finish(self) -> Tensor {
         self.0
     }
+}
+
+/// Whether a tensor with these sizes and strides is non-overlapping and dense: its elements fill
+/// `numel` consecutive slots in some order of the dimensions (size-1 dimensions may have any
+/// stride).
+pub fn is_dense(sizes: &[i64], strides: &[i64]) -> bool {
+    if sizes.contains(&0) {
+        return true;
+    }
+    let mut dims: Vec<(i64, i64)> = sizes
+        .iter()
+        .zip(strides)
+        .filter(|(&size, _)| size != 1)
+        .map(|(&size, &stride)| (stride, size))
+        .collect();
+    dims.sort_unstable();
+    let mut expected = 1;
+    for (stride, size) in dims {
+        if stride != expected {
+            return false;
+        }
+        expected *= size;
+    }
+    true
 }
 
 /// Row-major strides of a tensor with these sizes (as torch computes them: size-1 dims included).
@@ -384,7 +448,21 @@ unsafe fn raw_slice<'a, T>(ptr: *const T, len: i64) -> &'a [T] {
 
 #[cfg(test)]
 mod tests {
-    use super::contiguous_strides;
+    use super::{contiguous_strides, is_dense};
+
+    #[test]
+    fn dense_layouts_are_permutations_without_gaps() {
+        assert!(is_dense(&[2, 3, 4], &[12, 4, 1]));
+        assert!(is_dense(&[2, 3, 4], &[12, 1, 3]), "permuted");
+        assert!(
+            is_dense(&[2, 1, 4], &[4, 99, 1]),
+            "size-1 dims have any stride"
+        );
+        assert!(is_dense(&[0, 5], &[7, 7]));
+        assert!(!is_dense(&[2, 3, 4], &[24, 4, 1]), "a gap");
+        assert!(!is_dense(&[2, 3], &[0, 1]), "an overlap");
+        assert!(!is_dense(&[3, 2], &[1, 1]), "an overlap");
+    }
 
     #[test]
     fn contiguous_strides_match_torch() {

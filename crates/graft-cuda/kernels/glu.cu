@@ -28,16 +28,46 @@ struct GluParams {
   long long vec;
 };
 
-template <typename A>
+// The math of one activation in the accumulation type A. Fast<A> = true (16-bit element
+// types, whose outputs keep 8 or 11 bits) uses the SFU's approximate exp and reciprocal (a few
+// float ulp of error, far below the output's rounding); float and double outputs get the
+// correctly rounded functions.
+template <typename A, bool FAST>
+struct Math;
+
+template <>
+struct Math<float, true> {
+  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
+  static __device__ __forceinline__ float div(float a, float b) { return __fdividef(a, b); }
+};
+
+template <>
+struct Math<float, false> {
+  static __device__ __forceinline__ float exp(float x) { return expf(x); }
+  static __device__ __forceinline__ float div(float a, float b) { return a / b; }
+};
+
+template <>
+struct Math<double, false> {
+  static __device__ __forceinline__ double exp(double x) { return ::exp(x); }
+  // a * (1 / b): the correctly rounded reciprocal is computed inline, where a division's slow
+  // path is a call whose register saves spill (ptxas) in the SiLU kernel.
+  static __device__ __forceinline__ double div(double a, double b) { return a * __drcp_rn(b); }
+};
+
+// 1 / (1 + e^-x), as e^x / (1 + e^x) for negative x: e^-|x| never overflows, and the result
+// keeps its value down to the subnormals.
+template <typename A, bool FAST>
 __device__ __forceinline__ A sigmoid(A x) {
-  return A(1) / (A(1) + exp(-x));
+  const A e = Math<A, FAST>::exp(-fabs(x));
+  return Math<A, FAST>::div(x < A(0) ? e : A(1), A(1) + e);
 }
 
 // act(x) and act'(x) for each activation.
 struct Silu {
-  template <typename A>
+  template <typename A, bool FAST>
   static __device__ __forceinline__ void eval(A x, A& f, A& df) {
-    const A s = sigmoid(x);
+    const A s = sigmoid<A, FAST>(x);
     f = x * s;
     df = s * (A(1) + x * (A(1) - s));
   }
@@ -46,33 +76,36 @@ struct Silu {
 // 0.5 (1 + tanh(u)) is computed as sigmoid(2u) and 0.5 (1 + erf(z)) as 0.5 erfc(-z): the
 // same values without the cancellation that 1 + tanh / 1 + erf suffer for negative x.
 struct GeluTanh {
-  template <typename A>
+  template <typename A, bool FAST>
   static __device__ __forceinline__ void eval(A x, A& f, A& df) {
     const A k0 = A(0.7978845608028654);  // sqrt(2 / pi)
     const A k1 = A(0.044715);
     const A x2 = x * x;
-    const A s = sigmoid(A(2) * k0 * (x + k1 * x2 * x));
+    const A s = sigmoid<A, FAST>(A(2) * k0 * (x + k1 * x2 * x));
     f = x * s;
     df = s + x * A(2) * s * (A(1) - s) * k0 * (A(1) + A(3) * k1 * x2);
   }
 };
 
 struct GeluErf {
-  template <typename A>
+  template <typename A, bool FAST>
   static __device__ __forceinline__ void eval(A x, A& f, A& df) {
-    const A inv_sqrt2 = A(0.7071067811865476);
     const A inv_sqrt_2pi = A(0.3989422804014327);
-    const A cdf = A(0.5) * erfc(-x * inv_sqrt2);
+    const A cdf = normcdf(x);
     f = x * cdf;
-    df = cdf + x * inv_sqrt_2pi * exp(A(-0.5) * x * x);
+    df = cdf + x * inv_sqrt_2pi * Math<A, FAST>::exp(A(-0.5) * x * x);
   }
 };
+
+// Whether element type T gets the fast math (its outputs are 16-bit).
+template <typename T>
+constexpr bool kFast = sizeof(T) == 2;
 
 template <typename Act, typename T>
 __device__ __forceinline__ void fwd_one(const T* g, const T* u, T* y, long long i) {
   using A = typename Acc<T>::type;
   A f, df;
-  Act::eval(to_acc(g[i]), f, df);
+  Act::template eval<A, kFast<T>>(to_acc(g[i]), f, df);
   y[i] = from_acc<T>(f * to_acc(u[i]));
 }
 
@@ -81,7 +114,7 @@ __device__ __forceinline__ void bwd_one(const T* g, const T* u, const T* dy, T* 
                                         long long i) {
   using A = typename Acc<T>::type;
   A f, df;
-  Act::eval(to_acc(g[i]), f, df);
+  Act::template eval<A, kFast<T>>(to_acc(g[i]), f, df);
   const A d = to_acc(dy[i]);
   dg[i] = from_acc<T>(d * to_acc(u[i]) * df);
   du[i] = from_acc<T>(d * f);
@@ -89,6 +122,7 @@ __device__ __forceinline__ void bwd_one(const T* g, const T* u, const T* dy, T* 
 
 template <typename Act, typename T>
 __device__ void forward(const GluParams& p) {
+  using A = typename Acc<T>::type;
   const T* g = static_cast<const T*>(p.gate);
   const T* u = static_cast<const T*>(p.up);
   T* y = static_cast<T*>(p.out0);
@@ -103,8 +137,8 @@ __device__ void forward(const GluParams& p) {
       Pack<T> yv;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        typename Acc<T>::type f, df;
-        Act::eval(to_acc(gv.v[e]), f, df);
+        A f, df;
+        Act::template eval<A, kFast<T>>(to_acc(gv.v[e]), f, df);
         yv.v[e] = from_acc<T>(f * to_acc(uv.v[e]));
       }
       graft_common::store_pack(y + k * N, yv);
@@ -124,7 +158,9 @@ __device__ void backward(const GluParams& p) {
   T* du = static_cast<T*>(p.out1);
   const long long stride = graft_common::grid_threads();
   const long long first = graft_common::thread_index();
-  if (p.vec) {
+  // Doubles go one at a time (8-byte accesses already): two erfc/exp evaluations of a pack
+  // in flight would spill registers.
+  if (sizeof(T) < 8 && p.vec) {
     constexpr int N = Pack<T>::N;
     const long long packs = p.n / N;
     for (long long k = first; k < packs; k += stride) {
@@ -135,7 +171,7 @@ __device__ void backward(const GluParams& p) {
 #pragma unroll
       for (int e = 0; e < N; ++e) {
         A f, df;
-        Act::eval(to_acc(gv.v[e]), f, df);
+        Act::template eval<A, kFast<T>>(to_acc(gv.v[e]), f, df);
         const A d = to_acc(dv.v[e]);
         dgv.v[e] = from_acc<T>(d * to_acc(uv.v[e]) * df);
         duv.v[e] = from_acc<T>(d * f);

@@ -150,6 +150,8 @@ const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[
     crate::adam::kernel_names,
     crate::softmax::kernel_names,
     crate::layer_norm::kernel_names,
+    crate::rope::kernel_names,
+    crate::cross_entropy::kernel_names,
 ];
 
 fn named_kernels() -> Vec<String> {

@@ -7,7 +7,9 @@
 //! writing one partial row of dw and db to the workspace, and the finalize kernel sums them
 //! in block order.
 
-use crate::config::{blocks_per_sm, choose_rows, rows_per_block, DeviceLimits, KernelAttrs, MAX_GRID};
+use crate::config::{
+    blocks_per_sm, choose_rows, rows_per_block, DeviceLimits, KernelAttrs, MAX_GRID,
+};
 use crate::device;
 use crate::error::CudaError;
 use crate::launch::{index_of, launch_named, NamedLaunch};
@@ -388,7 +390,12 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<(), CudaError> {
     check_ptr("x", a.x, size)?;
     check_ptr("mean", a.mean, a.dtype.acc().size())?;
     check_ptr("rstd", a.rstd, a.dtype.acc().size())?;
-    for (n, p) in [("weight", Some(a.weight).filter(|&w| w != 0)), ("dx", a.dx), ("dw", a.dw), ("db", a.db)] {
+    for (n, p) in [
+        ("weight", Some(a.weight).filter(|&w| w != 0)),
+        ("dx", a.dx),
+        ("dw", a.dw),
+        ("db", a.db),
+    ] {
         if let Some(p) = p {
             check_ptr(n, p, size)?;
         }

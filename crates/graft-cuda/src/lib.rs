@@ -20,6 +20,7 @@
 
 mod adam;
 mod config;
+mod cross_entropy;
 mod device;
 mod driver;
 pub mod fatbin;
@@ -29,23 +30,29 @@ mod launch;
 mod layer_norm;
 mod params;
 mod rms_norm;
+mod rope;
 mod softmax;
 pub mod tools;
 
 pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
 pub use config::{DeviceLimits, KernelAttrs};
+pub use cross_entropy::{
+    cross_entropy_count, cross_entropy_reduce, cross_entropy_rows, cross_entropy_rows_with,
+    scale_grad, CrossEntropyCount, CrossEntropyReduce, CrossEntropyRows, RowsTuning, ScaleGrad,
+};
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
 pub use layer_norm::{
     layer_norm_backward, layer_norm_backward_workspace_bytes, layer_norm_forward,
     LayerNormBackward, LayerNormForward,
 };
-pub use softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
 pub use rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,
     rms_norm_backward_workspace_bytes, rms_norm_backward_workspace_bytes_for, rms_norm_forward,
     rms_norm_forward_with, Plan, Tuning,
 };
+pub use rope::{rope, RopeArgs, RopeOperand};
+pub use softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
 
 mod error;
 

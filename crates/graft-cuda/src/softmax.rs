@@ -126,11 +126,23 @@ pub(crate) enum Body {
 const DIRS: [(&str, &[(&str, u64)]); 2] = [
     (
         "fwd",
-        &[("f32", 4), ("f64", 8), ("f16", 2), ("bf16", 2), ("f16_f32", 2)],
+        &[
+            ("f32", 4),
+            ("f64", 8),
+            ("f16", 2),
+            ("bf16", 2),
+            ("f16_f32", 2),
+        ],
     ),
     (
         "bwd",
-        &[("f32", 4), ("f64", 8), ("f16", 2), ("bf16", 2), ("f32_f16", 4)],
+        &[
+            ("f32", 4),
+            ("f64", 8),
+            ("f16", 2),
+            ("bf16", 2),
+            ("f32_f16", 4),
+        ],
     ),
 ];
 
@@ -516,7 +528,10 @@ mod tests {
             loop_fit: &fit,
         };
         let pl = plan(&problem(false, 4, 8, 1000, 4096), &dev);
-        assert_eq!((pl.body, pl.tpr, pl.rpb, pl.block), (Body::Cols, 32, 8, 256));
+        assert_eq!(
+            (pl.body, pl.tpr, pl.rpb, pl.block),
+            (Body::Cols, 32, 8, 256)
+        );
         let pl = plan(&problem(false, 4, 3, 3, 5), &dev);
         assert_eq!((pl.tpr, pl.rpb), (8, 4));
         assert_eq!(pl.grid, 3);

@@ -5,7 +5,9 @@ use std::any::Any;
 use half::{bf16, f16};
 
 use crate::float::Float;
+use crate::glu::{self, Activation};
 use crate::isa::Isa;
+use crate::rope::{self, RopeOperand};
 use crate::rows::{self, BackwardRows, ForwardRows};
 use crate::simd::portable::Portable;
 
@@ -82,3 +84,72 @@ fn portable<T: Float>() -> Kernels<T> {
         accumulate: |acc, part| rows::accumulate(Portable, acc, part),
     }
 }
+
+/// `(act, gate, up, dy, dgate, dup)`: [`glu::backward_lanes`] over one chunk.
+type GluBackwardFn<T> = fn(Activation, &[T], &[T], &[T], &mut [T], &mut [T]);
+
+/// The elementwise fused-op kernels for element type `T`, compiled for one instruction set.
+pub(crate) struct FusedKernels<T: Float> {
+    /// [`glu::forward_lanes`] over one chunk.
+    pub glu_forward: fn(Activation, &[T], &[T], &mut [T]),
+    /// [`glu::backward_lanes`] over one chunk.
+    pub glu_backward: GluBackwardFn<T>,
+    /// [`rope::rows_lanes`] over a block of output rows.
+    pub rope: fn(&RopeOperand<'_, T>, bool, usize, &mut [T]),
+}
+
+impl<T: Float> Clone for FusedKernels<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: Float> Copy for FusedKernels<T> {}
+
+/// The fused-op kernels for `T` and [`Isa::current`]; `None` for element types other than
+/// `f32`, `f64`, `bf16` and `f16` (their callers then compute one element at a time).
+pub(crate) fn fused_kernels<T: Float>() -> Option<FusedKernels<T>> {
+    let isa = Isa::current();
+    fused::<T, f32>(isa)
+        .or_else(|| fused::<T, f64>(isa))
+        .or_else(|| fused::<T, bf16>(isa))
+        .or_else(|| fused::<T, f16>(isa))
+}
+
+/// `N`'s fused-op kernels for `isa` if `T` is `N`.
+fn fused<T: Float, N: NativeFused>(isa: Isa) -> Option<FusedKernels<T>> {
+    let table = N::fused_kernels(isa);
+    (&table as &dyn Any)
+        .downcast_ref::<FusedKernels<T>>()
+        .copied()
+}
+
+/// The element types with vector fused-op kernels.
+trait NativeFused: Float {
+    /// Kernels compiled for `isa` (available on this CPU).
+    fn fused_kernels(isa: Isa) -> FusedKernels<Self>;
+}
+
+macro_rules! impl_native_fused {
+    ($($t:ty),*) => {$(
+        impl NativeFused for $t {
+            fn fused_kernels(isa: Isa) -> FusedKernels<Self> {
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => crate::simd::x86::Avx512::fused_kernels(),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => crate::simd::x86::Avx2::fused_kernels(),
+                    _ => FusedKernels {
+                        glu_forward: |act, g, u, y| glu::forward_lanes(Portable, act, g, u, y),
+                        glu_backward: |act, g, u, dy, dg, du| {
+                            glu::backward_lanes(Portable, act, g, u, dy, dg, du)
+                        },
+                        rope: |op, bwd, first, out| rope::rows_lanes(Portable, op, bwd, first, out),
+                    },
+                }
+            }
+        }
+    )*};
+}
+
+impl_native_fused!(f32, f64, bf16, f16);

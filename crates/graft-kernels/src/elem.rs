@@ -147,4 +147,3 @@ impl<T: Float> Convert<T> {
         }
     }
 }
-

@@ -131,7 +131,11 @@ impl VecExp for f64 {
         // Cephes' exp: e^r = 1 + 2 r P(r^2) / (Q(r^2) - r P(r^2)).
         let rr = r * r;
         let px = r * madd::<_, FMA>(madd::<_, FMA>(P[0], rr, P[1]), rr, P[2]);
-        let qx = madd::<_, FMA>(madd::<_, FMA>(madd::<_, FMA>(Q[0], rr, Q[1]), rr, Q[2]), rr, Q[3]);
+        let qx = madd::<_, FMA>(
+            madd::<_, FMA>(madd::<_, FMA>(Q[0], rr, Q[1]), rr, Q[2]),
+            rr,
+            Q[3],
+        );
         let e = madd::<f64, FMA>(2.0, px / (qx - px), 1.0);
         let ni = (t.to_bits() as i64).wrapping_sub(MAGIC.to_bits() as i64);
         let n1 = ni >> 1;

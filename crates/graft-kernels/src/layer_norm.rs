@@ -81,7 +81,11 @@ pub fn forward<T: NormFloat>(
     let pieces: Vec<_> = out
         .y
         .chunks_mut(block_elems)
-        .zip(out.mean.chunks_mut(block_rows).zip(out.rstd.chunks_mut(block_rows)))
+        .zip(
+            out.mean
+                .chunks_mut(block_rows)
+                .zip(out.rstd.chunks_mut(block_rows)),
+        )
         .collect();
     blocks::for_each(par, pieces, block_elems, |b, (y, (mean, rstd))| {
         let x = &x[b * block_elems..][..y.len()];
@@ -324,7 +328,9 @@ pub(crate) fn run_forward<T: NormFloat>(cv: Convert<T>, t: ForwardTask<'_, T>) {
     let (xa, rest) = buf.split_at_mut(panel);
     let ya = &mut rest[..panel];
     let parts = x.chunks(panel).zip(y.chunks_mut(panel));
-    let stats = mean.chunks_mut(rows_per_panel).zip(rstd.chunks_mut(rows_per_panel));
+    let stats = mean
+        .chunks_mut(rows_per_panel)
+        .zip(rstd.chunks_mut(rows_per_panel));
     for ((xp, yp), (m, r)) in parts.zip(stats) {
         let (xa, ya) = (&mut xa[..xp.len()], &mut ya[..xp.len()]);
         (cv.widen)(xp, xa);

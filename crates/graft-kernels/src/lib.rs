@@ -1,5 +1,7 @@
 //! Pure Rust CPU kernels for torchgraft: RMSNorm forward and backward over contiguous row-major
-//! buffers, gated linear units ([`glu`]), generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]).
+//! buffers, gated linear units ([`glu`]) and rotary position embeddings over strided rows
+//! ([`rope`]), generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]). The activations'
+//! `f32` transcendental functions are vectorized too (`vmath`).
 //!
 //! The kernels are SIMD, chosen at run time ([`Isa`]: AVX-512, AVX2 + FMA + F16C, or portable
 //! Rust), and run near memory bandwidth: the forward pass reads each row from memory once (the
@@ -13,6 +15,7 @@
 pub mod adam;
 mod blocks;
 pub mod convert;
+pub mod cross_entropy;
 mod dispatch;
 pub mod elem;
 pub mod exp;
@@ -22,9 +25,12 @@ mod isa;
 pub mod layer_norm;
 mod parallel;
 pub mod rms_norm;
+pub mod rope;
 mod rows;
 mod simd;
 pub mod softmax;
+mod vectorize;
+mod vmath;
 
 pub use float::{Acc, Float};
 pub use isa::{with_isa, Isa};

@@ -24,8 +24,8 @@ use crate::exp::VecExp;
 use crate::float::{Acc, Float};
 use crate::parallel::Parallel;
 
-pub use crate::elem::{AccType, Convert, DirectFloat as SoftmaxFloat, Elem, PanelBuffer};
 use crate::elem::panels;
+pub use crate::elem::{AccType, Convert, DirectFloat as SoftmaxFloat, Elem, PanelBuffer};
 
 /// Softmax or log-softmax.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -126,17 +126,22 @@ pub fn forward<T: SoftmaxFloat>(
         });
     } else {
         let (ranges, width) = column_ranges(shape);
-        blocks::for_each(par, ranges_of(y, shape, width), shape.dim * width, |i, y| {
-            let (o, r) = (i / ranges, i % ranges);
-            let slab = shape.dim * shape.inner;
-            let task = ForwardTask::Columns {
-                x: &x[o * slab..(o + 1) * slab],
-                y,
-                inner: shape.inner,
-                first: r * width,
-            };
-            dispatch_forward(kind, cv, task);
-        });
+        blocks::for_each(
+            par,
+            ranges_of(y, shape, width),
+            shape.dim * width,
+            |i, y| {
+                let (o, r) = (i / ranges, i % ranges);
+                let slab = shape.dim * shape.inner;
+                let task = ForwardTask::Columns {
+                    x: &x[o * slab..(o + 1) * slab],
+                    y,
+                    inner: shape.inner,
+                    first: r * width,
+                };
+                dispatch_forward(kind, cv, task);
+            },
+        );
     }
 }
 
@@ -173,18 +178,23 @@ pub fn backward<T: SoftmaxFloat>(
         });
     } else {
         let (ranges, width) = column_ranges(shape);
-        blocks::for_each(par, ranges_of(dx, shape, width), shape.dim * width, |i, dx| {
-            let (o, r) = (i / ranges, i % ranges);
-            let slab = shape.dim * shape.inner;
-            let task = BackwardTask::Columns {
-                dy: &dy[o * slab..(o + 1) * slab],
-                y: &y[o * slab..(o + 1) * slab],
-                dx,
-                inner: shape.inner,
-                first: r * width,
-            };
-            dispatch_backward(kind, cv, task);
-        });
+        blocks::for_each(
+            par,
+            ranges_of(dx, shape, width),
+            shape.dim * width,
+            |i, dx| {
+                let (o, r) = (i / ranges, i % ranges);
+                let slab = shape.dim * shape.inner;
+                let task = BackwardTask::Columns {
+                    dy: &dy[o * slab..(o + 1) * slab],
+                    y: &y[o * slab..(o + 1) * slab],
+                    dx,
+                    inner: shape.inner,
+                    first: r * width,
+                };
+                dispatch_backward(kind, cv, task);
+            },
+        );
     }
 }
 
@@ -352,7 +362,10 @@ pub(crate) fn run_backward<T: SoftmaxFloat, const FMA: bool>(
             let mut buf = panels::<T::Acc>(panel);
             let (ga, rest) = buf.split_at_mut(panel);
             let (ya, da) = rest.split_at_mut(panel);
-            let parts = dy.chunks(panel).zip(y.chunks(panel)).zip(dx.chunks_mut(panel));
+            let parts = dy
+                .chunks(panel)
+                .zip(y.chunks(panel))
+                .zip(dx.chunks_mut(panel));
             for ((gp, yp), dp) in parts {
                 let n = gp.len();
                 let (ga, ya, da) = (&mut ga[..n], &mut ya[..n], &mut da[..n]);
@@ -754,7 +767,11 @@ fn backward_cols<E: Elem<A>, A: VecExp, const FMA: bool>(
             }
         }
         for (d, dst) in dx.iter_mut().enumerate() {
-            let terms = dy.seg(d, col, w).iter().zip(y.seg(d, col, w)).zip(total.iter());
+            let terms = dy
+                .seg(d, col, w)
+                .iter()
+                .zip(y.seg(d, col, w))
+                .zip(total.iter());
             let out = dst[col..col + w].iter_mut();
             match kind {
                 Kind::Softmax => {

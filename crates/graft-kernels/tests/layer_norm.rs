@@ -117,7 +117,11 @@ fn check<T: TestFloat + NormFloat>() {
                     let dy: Vec<T> = (0..rows * cols)
                         .map(|_| T::from_f64(rng.normal(1.0)))
                         .collect();
-                    for mask in [(true, true, true), (true, false, false), (false, true, true)] {
+                    for mask in [
+                        (true, true, true),
+                        (true, false, false),
+                        (false, true, true),
+                    ] {
                         let mut dx = poisoned::<T>(rows * cols);
                         let mut dw = poisoned::<T::Acc>(cols);
                         let mut db = poisoned::<T::Acc>(cols);
@@ -130,7 +134,14 @@ fn check<T: TestFloat + NormFloat>() {
                             mean: &mean,
                             rstd: &rstd,
                         };
-                        layer_norm::backward((&dy, &x), (rows, cols), stats, affine.weight, grads, par);
+                        layer_norm::backward(
+                            (&dy, &x),
+                            (rows, cols),
+                            stats,
+                            affine.weight,
+                            grads,
+                            par,
+                        );
                         let (mf, rf) = (to_f64(&mean), to_f64(&rstd));
                         let (dx_ref, dw_ref, db_ref) =
                             reference_backward(&to_f64(&dy), &to_f64(&x), (&mf, &rf), cols, wr);

@@ -179,7 +179,10 @@ fn special_values_follow_aten() {
                                 assert_eq!(g as f64, w, "y[{i}] ({ctx})");
                             } else {
                                 let err = ((g as f64) - w).abs();
-                                assert!(err <= 1e-5 * w.abs().max(1.0), "y[{i}] = {g}, expected {w} ({ctx})");
+                                assert!(
+                                    err <= 1e-5 * w.abs().max(1.0),
+                                    "y[{i}] = {g}, expected {w} ({ctx})"
+                                );
                             }
                         }
                     }

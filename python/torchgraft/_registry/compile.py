@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from . import env
 from .nodes import OverrideNode, RouteGuard, always_true
+from .outputs import ResultCheck, returns_of
 
 NAMESPACE = "torchgraft_overrides"
 
@@ -59,6 +61,9 @@ def opaque_op(
     def fake(*args: Any, **kwargs: Any) -> Any:
         return overload(*args, **kwargs)
 
+    # The same checks as the eager router's (no shadow run: a graph has no kernel below).
+    check = ResultCheck(node, overload, returns_of(overload), strict=env.strict_mode(), below=None)
+
     def kernel(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         # Same re-entrancy rule as the eager router: the impl calling the aten op reaches the
         # kernel below the router, not the override again.
@@ -67,8 +72,11 @@ def opaque_op(
         node.calls += 1
         try:
             if node.with_keyset:
-                return node.impl_fn(keyset, *args, **kwargs)
-            return node.impl_fn(*args, **kwargs)
+                result = node.impl_fn(keyset, *args, **kwargs)
+            else:
+                result = node.impl_fn(*args, **kwargs)
+            check(result, keyset, args, kwargs)
+            return result
         finally:
             guard.node = previous
 

@@ -15,6 +15,9 @@ ORDER_FN_ENV = "TORCHGRAFT_OVERRIDE_ORDER_FN"
 SKIP_VERSION_CHECK_ENV = "TORCHGRAFT_SKIP_VERSION_CHECK"
 #: torch's own switch for DSL-based native ops; torchgraft's DSL helpers honour it too.
 TORCH_DISABLE_NATIVE_JIT_ENV = "TORCH_DISABLE_NATIVE_JIT"
+#: ``TORCHGRAFT_STRICT=1``: routers installed from then on check every impl result against the
+#: op's meta and compare its values with the kernel below (see ``outputs.py``).
+STRICT_ENV = "TORCHGRAFT_STRICT"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
@@ -27,6 +30,11 @@ def env_flag(name: str) -> bool:
 def kill_switch_set() -> bool:
     """True when ``TORCHGRAFT_DISABLE`` turns every torchgraft override off."""
     return env_flag(DISABLE_ENV)
+
+
+def strict_mode() -> bool:
+    """True when ``TORCHGRAFT_STRICT`` asks routers to check and shadow-verify every call."""
+    return env_flag(STRICT_ENV)
 
 
 _resolved: dict[str, Callable[..., Any]] = {}
@@ -44,15 +52,24 @@ def env_order_fn() -> Callable[..., Any] | None:
     fn = _resolved.get(spec)
     if fn is not None:
         return fn
+    # "Could not resolve" is the wording torch._native uses for its own variable.
     module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{ORDER_FN_ENV}={spec!r} must have the form 'package.module.function'")
+        raise ValueError(
+            f"Could not resolve {ORDER_FN_ENV}={spec!r}: it must have the form "
+            "'package.module.function'"
+        )
     try:
         module = importlib.import_module(module_name)
         fn = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{ORDER_FN_ENV}={spec!r} could not be imported: {exc}") from exc
+        raise ValueError(
+            f"Could not resolve {ORDER_FN_ENV}={spec!r} into an importable function: {exc}"
+        ) from exc
     if not callable(fn):
-        raise ValueError(f"{ORDER_FN_ENV}={spec!r} names {type(fn).__name__}, not a function")
+        raise ValueError(
+            f"Could not resolve {ORDER_FN_ENV}={spec!r} into a callable: it names "
+            f"{type(fn).__name__}, not a function"
+        )
     _resolved[spec] = fn
     return fn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -17,11 +17,13 @@ def always_true(*args: Any, **kwargs: Any) -> bool:
 class OverrideNode:
     """One registered override, as the registry and user ordering functions see it.
 
-    The field names follow torch 2.13's ``torch._native.registry._OverrideNode`` so an ordering
-    function written for torch works here unchanged. Nodes compare by identity.
+    The fields and their order follow ``torch._native.registry._OverrideNode`` (torch 2.15) so an
+    ordering function written for torch works here unchanged. Nodes compare by identity.
     """
 
     dsl_name: str
+    #: Namespace of the op: ``"aten"`` (or ``"torch_nn"``).
+    lib_symbol: str
     op_symbol: str
     dispatch_key: str
     cond_fn: Callable[..., bool]
@@ -39,6 +41,12 @@ class OverrideNode:
     calls: int = 0
     #: Calls this override passed on: its cond said no, or its impl re-entered the op.
     fallbacks: int = 0
+    #: Strict mode: calls whose result was compared with the kernel below, and the largest
+    #: absolute difference seen (inf where NaNs or None disagree).
+    shadow_checks: int = 0
+    max_error: float = 0.0
+    #: Input signatures whose results already matched the op's meta (see ``outputs.py``).
+    checked: dict[tuple[Any, ...], None] = field(default_factory=dict, repr=False)
 
 
 class RouteGuard(threading.local):

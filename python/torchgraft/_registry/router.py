@@ -8,107 +8,113 @@ from typing import Any
 import torch
 
 from .nodes import COND_PHASE, OverrideNode, RouteGuard, always_true
+from .outputs import ResultCheck, returns_of
 
-#: (return index, argument position or keyword name) for each return that aliases a written arg.
-AliasCheck = tuple[int, int | str]
-
-
-def aliased_returns(schema: torch._C.FunctionSchema) -> tuple[AliasCheck, ...]:
-    """Where an in-place / out= op must return its mutated argument, e.g. ``add_`` returns self."""
-    checks: list[AliasCheck] = []
-    for ret_index, ret in enumerate(schema.returns):
-        ret_alias = ret.alias_info
-        if ret_alias is None or not ret_alias.is_write:
-            continue
-        for arg_index, arg in enumerate(schema.arguments):
-            arg_alias = arg.alias_info
-            if arg_alias is not None and arg_alias.is_write:
-                if arg_alias.before_set == ret_alias.before_set:
-                    checks.append((ret_index, arg.name if arg.kwarg_only else arg_index))
-                    break
-    return tuple(checks)
+#: What torch (2.15+) raises when a captured kernel's registration has gone away.
+INVALIDATED = "has been invalidated"
 
 
-def missing_kernel(qualname: str, dispatch_key: str) -> Callable[..., Any]:
+class MissingKernel:
     """Stand-in fallback for an (op, key) that had no kernel before the router was installed."""
 
-    def call(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
+    def __init__(self, qualname: str, dispatch_key: str) -> None:
+        self.qualname = qualname
+        self.dispatch_key = dispatch_key
+
+    def __call__(self, keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            f"Could not run '{qualname}' with arguments from the '{dispatch_key}' backend: "
-            f"no torchgraft override at {dispatch_key} took this call and there was no "
-            f"{dispatch_key} kernel before the overrides were installed to fall back to."
+            f"Could not run '{self.qualname}' with arguments from the '{self.dispatch_key}' "
+            f"backend: no torchgraft override at {self.dispatch_key} took this call and there "
+            f"was no {self.dispatch_key} kernel before the overrides were installed to fall "
+            "back to."
         )
-
-    return call
-
-
-def check_aliases(
-    result: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    checks: tuple[AliasCheck, ...],
-    n_returns: int,
-    node: OverrideNode,
-) -> None:
-    """Raise when an impl of an in-place / out= op did not return the tensor it had to write."""
-    for ret_index, where in checks:
-        expected = kwargs.get(where) if isinstance(where, str) else args[where]
-        got = result if n_returns == 1 else result[ret_index]
-        if got is not expected:
-            name = where if isinstance(where, str) else f"argument {where}"
-            raise RuntimeError(
-                f"torchgraft override {node.stats_key}: aten::{node.op_symbol} writes its "
-                f"result into {name} and must return that same tensor; the impl returned "
-                "another object. Write in place (e.g. out.copy_(result)) and return it."
-            )
 
 
 def make_router(
     chain: tuple[OverrideNode, ...],
     fallback: Callable[..., Any],
     guard: RouteGuard,
-    checks: tuple[AliasCheck, ...],
-    n_returns: int,
+    overload: torch._ops.OpOverload,
+    *,
+    strict: bool,
+    recapture: Callable[[], Callable[..., Any]],
 ) -> Callable[..., Any]:
     """Build the kernel for one (op, key): first matching cond wins, else the kernel below.
 
-    Everything is resolved here, so a call costs a guard check, the cond loop and either the
-    impl or ``fallback`` (the captured kernel's ``call_boxed``). Cond exceptions propagate.
+    ``fallback`` is the captured kernel below (its ``call_boxed``). When torch reports it
+    invalidated (its registration went away: something below the router changed),
+    ``recapture()`` re-stacks the routers at this (op, key) and returns the fresh kernel below,
+    which then takes the call. Every impl's result is checked (see ``outputs.py``): its
+    structure on each call, its metadata on the first call per input signature, and with
+    ``strict`` its metadata and values on every call. Cond exceptions propagate.
     """
-    entries = tuple(
-        (
-            None if node.cond_fn is always_true else node.cond_fn,
+    returns = returns_of(overload)
+
+    def call_below(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
+        # The router's own fallback, as a function (the router inlines the same steps).
+        try:
+            return fallback(keyset, *args, **kwargs)
+        except RuntimeError as exc:
+            if INVALIDATED not in str(exc):
+                raise
+        return recapture()(keyset, *args, **kwargs)
+
+    shadow = None if isinstance(fallback, MissingKernel) else call_below
+
+    def entry(node: OverrideNode) -> tuple[Any, ...]:
+        check = ResultCheck(node, overload, returns, strict=strict, below=shadow)
+        cond = None if node.cond_fn is always_true else node.cond_fn
+        return (
+            cond,
             node.impl_fn,
             node.with_keyset,
             node,
+            check,
+            check.plain,
+            check.signature,
+            node.checked,
         )
-        for node in chain
-    )
+
+    entries = tuple(entry(node) for node in chain)
+    quick = not strict and not returns.aliased
 
     def router(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         running = guard.node
-        if running is not None:
-            # Re-entered from a cond or impl of this (op, key): go to the kernel below.
-            if running is not COND_PHASE:
-                running.fallbacks += 1  # type: ignore[union-attr]
-            return fallback(keyset, *args, **kwargs)
-        guard.node = COND_PHASE
+        if running is None:
+            guard.node = COND_PHASE
+            try:
+                for cond, impl, with_keyset, node, check, plain, signature, checked in entries:
+                    if cond is not None and not cond(*args, **kwargs):
+                        node.fallbacks += 1
+                        continue
+                    node.calls += 1
+                    saved = check.before(args, kwargs) if strict else None
+                    guard.node = node
+                    if with_keyset:
+                        result = impl(keyset, *args, **kwargs)
+                    else:
+                        result = impl(*args, **kwargs)
+                    # The common case inline (this is every call's cost): a well-formed result
+                    # for inputs whose signature already passed the metadata check.
+                    if quick and plain(result):
+                        try:
+                            if signature(args, kwargs) in checked:
+                                return result
+                        except TypeError:  # an unhashable argument: the check below copes
+                            pass
+                    check(result, keyset, args, kwargs, saved)
+                    return result
+            finally:
+                guard.node = None
+        elif running is not COND_PHASE:
+            # Re-entered from an impl of this (op, key): go to the kernel below.
+            running.fallbacks += 1  # type: ignore[union-attr]
         try:
-            for cond, impl, with_keyset, node in entries:
-                if cond is not None and not cond(*args, **kwargs):
-                    node.fallbacks += 1
-                    continue
-                node.calls += 1
-                guard.node = node
-                if with_keyset:
-                    result = impl(keyset, *args, **kwargs)
-                else:
-                    result = impl(*args, **kwargs)
-                if checks:
-                    check_aliases(result, args, kwargs, checks, n_returns, node)
-                return result
-        finally:
-            guard.node = None
-        return fallback(keyset, *args, **kwargs)
+            return fallback(keyset, *args, **kwargs)
+        except RuntimeError as exc:
+            if INVALIDATED not in str(exc):
+                raise
+        # What was below changed (torch reports the capture invalidated): capture it again.
+        return recapture()(keyset, *args, **kwargs)
 
     return router

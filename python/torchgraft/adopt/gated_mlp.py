@@ -47,6 +47,15 @@ _BY_CLASS: tuple[tuple[type[nn.Module], Callable[[nn.Module], tuple[str, dict[st
     (nn.SiLU, lambda m: ("swiglu", {})),
     (nn.GELU, lambda m: ("geglu", {"approximate": m.approximate})),
 )
+# transformers' activation classes by name: their hub tag is only set when the `kernels` package
+# is installed. (The probe verifies every match before anything is adopted.)
+_BY_CLASS_NAME = {
+    "SiLUActivation": ("swiglu", {}),
+    "GELUActivation": ("geglu", {"approximate": "none"}),
+    "GELUTanh": ("geglu", {"approximate": "tanh"}),
+    "NewGELUActivation": ("geglu", {"approximate": "tanh"}),
+    "FastGELUActivation": ("geglu", {"approximate": "tanh"}),
+}
 _BY_HUB_TAG = {
     "SiLU": ("swiglu", {}),
     "GeLU": ("geglu", {"approximate": "none"}),
@@ -64,7 +73,8 @@ def gating(activation: nn.Module | None) -> tuple[str, dict[str, str]] | None:
     for cls, op in _BY_CLASS:
         if isinstance(activation, cls):
             return op(activation)
-    return _BY_HUB_TAG.get(hub_name(activation) or "")
+    by_tag = _BY_HUB_TAG.get(hub_name(activation) or "")
+    return by_tag or _BY_CLASS_NAME.get(type(activation).__name__)
 
 
 def _forward(layout: Layout, op: Callable[..., torch.Tensor], kwargs: dict[str, str]) -> Variant:

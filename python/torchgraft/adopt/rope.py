@@ -26,7 +26,12 @@ FUNCTION = "apply_rotary_pos_emb"
 PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
 
 
-def _replacement(own: Callable[..., object], rope: Callable[..., object]) -> Callable[..., object]:
+def _replacement(
+    own: Callable[..., object], rope: Callable[..., object], cast: bool
+) -> Callable[..., object]:
+    """``rope`` where the call is the plain case; ``cast``: return q's and k's own dtypes (as
+    OLMo2's function does) instead of the promoted one (Llama's)."""
+
     def apply_rotary_pos_emb(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -36,7 +41,10 @@ def _replacement(own: Callable[..., object], rope: Callable[..., object]) -> Cal
     ) -> object:
         if cos.shape[-1] != q.shape[-1] or cos.shape[-1] != k.shape[-1]:
             return own(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-        return rope(q, k, cos, sin, unsqueeze_dim)
+        q_embed, k_embed = rope(q, k, cos, sin, unsqueeze_dim)
+        if cast:
+            return q_embed.to(q.dtype), k_embed.to(k.dtype)
+        return q_embed, k_embed
 
     apply_rotary_pos_emb.__qualname__ = f"rope[{getattr(own, '__module__', '')}].{FUNCTION}"
     return apply_rotary_pos_emb
@@ -76,7 +84,14 @@ class RopeAdopter:
             base.status, base.reason = SKIPPED, missing
             return base
         base.own = own
-        base.variants = (Variant("rotate_half", "torchgraft::rope", _replacement(own, rope)),)
+        base.variants = (
+            Variant("rotate_half", "torchgraft::rope", _replacement(own, rope, cast=False)),
+            Variant(
+                "rotate_half, in q's and k's dtypes",
+                "torchgraft::rope",
+                _replacement(own, rope, cast=True),
+            ),
+        )
         base.cases = _cases
         base.run = lambda fn, case: fn(*case.args, **case.kwargs)
         return base
@@ -94,17 +109,22 @@ def _plain_signature(fn: object) -> bool:
 
 def _cases() -> list[Case]:
     """Heads-first (unsqueeze_dim=1) and sequence-first (2) layouts, grouped-query (fewer key
-    heads), float32 and bfloat16."""
+    heads), float32 and bfloat16, and bfloat16 q/k with float32 tables (which tells a function
+    that returns the promoted dtype from one that casts back)."""
     gen = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")
     batch, seq, heads, kv_heads, dim = 2, 5, 4, 2, 8
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     cases = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, table_dtype in (
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ):
         positions = torch.randint(0, 64, (batch, seq), generator=gen).float()
         freqs = positions[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos().to(table_dtype), emb.sin().to(table_dtype)
         for unsqueeze_dim in (1, 2):
             if unsqueeze_dim == 1:
                 q_shape, k_shape = (batch, heads, seq, dim), (batch, kv_heads, seq, dim)
@@ -112,7 +132,8 @@ def _cases() -> list[Case]:
                 q_shape, k_shape = (batch, seq, heads, dim), (batch, seq, kv_heads, dim)
             q = random_tensor(q_shape, gen, dtype, cpu).requires_grad_(True)
             k = random_tensor(k_shape, gen, dtype, cpu).requires_grad_(True)
-            label = f"{str(dtype).removeprefix('torch.')}, unsqueeze_dim={unsqueeze_dim}"
+            names = [str(d).removeprefix("torch.") for d in (dtype, table_dtype)]
+            label = f"{names[0]} (tables {names[1]}), unsqueeze_dim={unsqueeze_dim}"
             cases.append(
                 Case(label, (q, k, cos, sin), {"unsqueeze_dim": unsqueeze_dim}, leaves=(q, k))
             )

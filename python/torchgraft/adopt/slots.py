@@ -144,8 +144,10 @@ def hold_global(
         patch = _globals.get(key)
         if patch is None:
             patch = _GlobalPatch(getattr(module, name), replacement)
-            setattr(module, name, replacement)
             _globals[key] = patch
+        # Installed now even where someone put the original back meanwhile (a benchmark that
+        # installs the replacement only around one model's steps, say).
+        setattr(module, name, patch.replacement)
         # Released when the holder is unadopted, or when it is garbage collected.
         patch.holders[id(holder)] = weakref.ref(
             holder, functools.partial(_dropped, key, id(holder))

@@ -221,6 +221,11 @@ class _Baseline:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.namespaces = patches.Snapshot(watched_namespaces(model))
+        # The first enable() of a process leaves one graft for good (the CPU RMSNorm backward,
+        # which stock lacks; docs/reliability.md): switch once so the baseline already has it.
+        if not torchgraft.is_enabled():
+            with torchgraft.enabled():
+                pass
         self.dispatcher = _dispatcher_state()
 
     def problems(self) -> list[str]:

@@ -103,10 +103,6 @@ def _torchgraft_off() -> Iterator[None]:
     yield
 
 
-def _torchgraft_on() -> contextlib.AbstractContextManager[None]:
-    return torchgraft.enabled()
-
-
 def _always(_setting: Setting) -> str | None:
     return None
 
@@ -130,16 +126,41 @@ def _report_json(report: object) -> Any:
     return str(report)
 
 
-def _adopt(model: torch.nn.Module) -> tuple[dict[str, Any], Callable[[], None]]:
-    """``torchgraft.adopt(model)``: its report (as notes) and how to undo it."""
-    with torchgraft.enabled():
-        report = torchgraft.adopt(model)
-    return {"adoption": _report_json(report)}, (lambda: torchgraft.unadopt(model))
+def _adopt(
+    model: torch.nn.Module,
+) -> tuple[
+    dict[str, Any], Callable[[], contextlib.AbstractContextManager[None]], Callable[[], None]
+]:
+    """``torchgraft.adopt(model)``: its report (as notes), the context its steps run in, and how
+    to undo it.
+
+    adopt() replaces some module-global functions (transformers' ``apply_rotary_pos_emb``) for
+    the whole process while the model is adopted; like Liger's patches they are recorded and
+    installed only around this variant's own steps, so the other variants run as shipped.
+    """
+    report: list[object] = []
+
+    def adopt() -> None:
+        with torchgraft.enabled():
+            report.append(torchgraft.adopt(model))
+
+    recorded = patches.record(watched_namespaces(model), adopt)
+
+    @contextlib.contextmanager
+    def active() -> Iterator[None]:
+        with torchgraft.enabled(), patches.applied(recorded):
+            yield
+
+    notes = {
+        "adoption": _report_json(report[0]),
+        "global_patches": [patches.where(p) for p in recorded],
+    }
+    return notes, active, lambda: torchgraft.unadopt(model)
 
 
 def _prepare_torchgraft(model: torch.nn.Module, _setting: Setting) -> Prepared:
-    notes, undo = _adopt(model)
-    return Prepared(call=model, active=_torchgraft_on, undo=undo, notes=notes)
+    notes, active, undo = _adopt(model)
+    return Prepared(call=model, active=active, undo=undo, notes=notes)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
@@ -156,9 +177,9 @@ def _prepare_compile(model: torch.nn.Module, setting: Setting) -> Prepared:
 
 
 def _prepare_compile_torchgraft(model: torch.nn.Module, setting: Setting) -> Prepared:
-    notes, undo = _adopt(model)
+    notes, active, undo = _adopt(model)
     call, compile_notes = _compile(model, setting)
-    return Prepared(call=call, active=_torchgraft_on, undo=undo, notes=notes | compile_notes)
+    return Prepared(call=call, active=active, undo=undo, notes=notes | compile_notes)
 
 
 # ---- Liger-Kernel -------------------------------------------------------------------------------

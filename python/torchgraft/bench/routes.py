@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 import torchgraft
-from torchgraft import control, native
+from torchgraft import control, native, registry
+from torchgraft._registry import torch_native
 
 __all__ = [
     "Route",
@@ -116,39 +117,29 @@ def dsl_unusable_reason(name: str) -> str | None:
 
 
 # torch 2.13+ ships its own override of some ops (a CuteDSL RMSNorm when nvidia-cutlass-dsl is
-# installed). It is kept out of every route but its own, so "aten" means ATen's kernel.
-
-
-def _torch_native_registry() -> Any | None:
-    if importlib.util.find_spec("torch._native") is None:
-        return None
-    try:
-        import torch._native.registry as registry
-    except ImportError:
-        return None
-    return registry
+# installed). It is kept out of every route but its own, so "aten" means ATen's kernel. All of
+# torch._native is read through torchgraft's version-gated view of it.
 
 
 def torch_native_active(op_symbol: str, dispatch_key: str) -> bool:
     """Whether torch._native (torch 2.12+) has an active override of ``aten::op_symbol``."""
-    registry = _torch_native_registry()
-    graphs = getattr(registry, "_graphs", None) or {}
-    nodes = graphs.get((op_symbol, dispatch_key), [])
-    return any(getattr(node, "active", True) for node in nodes)
+    return torch_native.active(op_symbol, dispatch_key)
 
 
 @contextlib.contextmanager
 def _torch_native_off(op_symbols: tuple[str, ...]) -> Iterator[None]:
-    registry = _torch_native_registry()
-    active = [op for op in op_symbols if registry is not None and torch_native_active(op, "CUDA")]
+    active = [op for op in op_symbols if torch_native.active(op, "CUDA")]
     if not active:
         yield
         return
-    registry.deregister_op_overrides(disable_op_symbols=active)
+    # torchgraft's routers come out while torch._native's change under them.
+    with registry.suspend_routers():
+        torch_native.deregister_op_overrides(active)
     try:
         yield
     finally:
-        registry.reenable_op_overrides(enable_op_symbols=active)
+        with registry.suspend_routers():
+            torch_native.reenable_op_overrides(active)
 
 
 @contextlib.contextmanager

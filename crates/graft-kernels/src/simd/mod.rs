@@ -25,8 +25,12 @@ pub(crate) trait Simd<A: Acc>: Copy {
     fn splat(self, v: A) -> Self::V;
     /// Lane-wise `a + b`.
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `a - b`.
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
     /// Lane-wise `a * b`.
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `a / b`, correctly rounded.
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
     /// Lane-wise `a * b + c`, fused (one rounding) where the instruction set has FMA.
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// The sum of the lanes, in a fixed order.
@@ -93,4 +97,24 @@ where
     let mut buf = [T::default(); MAX_LANES];
     T::store(s, v, &mut buf);
     dst.copy_from_slice(&buf[..dst.len()]);
+}
+
+/// The `f32` lane operations that vectorized transcendental functions ([`crate::vmath`]) are
+/// built from, beyond [`Simd`]'s arithmetic.
+pub(crate) trait SimdF32: Simd<f32> {
+    /// Lane-wise `if a < b { a } else { b }`: a NaN in `b` (or in both) gives `b`.
+    fn min(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `if a > b { a } else { b }`: a NaN in `b` (or in both) gives `b`.
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `|v|`.
+    fn abs(self, v: Self::V) -> Self::V;
+    /// Lanes rounded to the nearest integer, ties to even.
+    fn round(self, v: Self::V) -> Self::V;
+    /// `v * 2^n` for lanes of `n` holding integers in `-150..=128`: exact, except for one
+    /// rounding when the result is subnormal, and `inf` when it overflows.
+    fn scale(self, v: Self::V, n: Self::V) -> Self::V;
+    /// Lane-wise `a * b + c` with one rounding, on every instruction set.
+    fn fma(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// Lane-wise `if a < b { x } else { y }`.
+    fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
 }

@@ -8,9 +8,11 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
-use super::{Lanes, Simd};
-use crate::dispatch::Kernels;
+use super::{Lanes, Simd, SimdF32};
+use crate::dispatch::{FusedKernels, Kernels};
 use crate::float::Acc;
+use crate::glu::{self, ActLanes, Activation};
+use crate::rope::{self, RopeOperand};
 use crate::rows::{self, BackwardRows, ForwardRows};
 
 /// Token for AVX2, FMA and F16C.
@@ -178,6 +180,109 @@ macro_rules! entry_points {
 entry_points!(Avx2, "avx2,fma,f16c");
 entry_points!(Avx512, "avx512f,avx2,fma,f16c");
 
+/// Entry points of the elementwise fused ops (GLU, RoPE) compiled with the token's target
+/// features, and the [`FusedKernels`] table of them.
+macro_rules! fused_entry_points {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// The table of this token's fused-op kernels for `T`.
+            pub(crate) fn fused_kernels<T>() -> FusedKernels<T>
+            where
+                T: Lanes<$token>,
+                $token: Simd<T::Acc>,
+                T::Acc: ActLanes<$token>,
+            {
+                FusedKernels {
+                    glu_forward: |act, g, u, y| $token::get().glu_forward(act, g, u, y),
+                    glu_backward: |act, g, u, dy, dg, du| {
+                        $token::get().glu_backward(act, g, u, dy, dg, du)
+                    },
+                    rope: |op, bwd, first, out| $token::get().rope(op, bwd, first, out),
+                }
+            }
+
+            fn glu_forward<T>(self, act: Activation, gate: &[T], up: &[T], y: &mut [T])
+            where
+                T: Lanes<$token>,
+                $token: Simd<T::Acc>,
+                T::Acc: ActLanes<$token>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T>(s: $token, act: Activation, gate: &[T], up: &[T], y: &mut [T])
+                where
+                    T: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                    T::Acc: ActLanes<$token>,
+                {
+                    glu::forward_lanes(s, act, gate, up, y)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, act, gate, up, y) }
+            }
+
+            #[allow(clippy::too_many_arguments)]
+            fn glu_backward<T>(
+                self,
+                act: Activation,
+                gate: &[T],
+                up: &[T],
+                dy: &[T],
+                dgate: &mut [T],
+                dup: &mut [T],
+            ) where
+                T: Lanes<$token>,
+                $token: Simd<T::Acc>,
+                T::Acc: ActLanes<$token>,
+            {
+                #[target_feature(enable = $features)]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn run<T>(
+                    s: $token,
+                    act: Activation,
+                    gate: &[T],
+                    up: &[T],
+                    dy: &[T],
+                    dgate: &mut [T],
+                    dup: &mut [T],
+                ) where
+                    T: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                    T::Acc: ActLanes<$token>,
+                {
+                    glu::backward_lanes(s, act, gate, up, dy, dgate, dup)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, act, gate, up, dy, dgate, dup) }
+            }
+
+            fn rope<T>(self, op: &RopeOperand<'_, T>, backward: bool, first: usize, out: &mut [T])
+            where
+                T: Lanes<$token>,
+                $token: Simd<T::Acc>,
+            {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T>(
+                    s: $token,
+                    op: &RopeOperand<'_, T>,
+                    backward: bool,
+                    first: usize,
+                    out: &mut [T],
+                ) where
+                    T: Lanes<$token>,
+                    $token: Simd<T::Acc>,
+                {
+                    rope::rows_lanes(s, op, backward, first, out)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(self, op, backward, first, out) }
+            }
+        }
+    };
+}
+
+fused_entry_points!(Avx2, "avx2,fma,f16c");
+fused_entry_points!(Avx512, "avx512f,avx2,fma,f16c");
+
 // ---------------------------------------------------------------------------------------------
 // AVX2: f32 in __m256 (8 lanes), f64 in __m256d (4 lanes).
 
@@ -196,9 +301,19 @@ impl Simd<f32> for Avx2 {
         unsafe { _mm256_add_ps(a, b) }
     }
     #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
     fn mul(self, a: __m256, b: __m256) -> __m256 {
         // SAFETY: the token proves AVX2.
         unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_div_ps(a, b) }
     }
     #[inline(always)]
     fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
@@ -221,6 +336,52 @@ impl Simd<f32> for Avx2 {
     }
 }
 
+impl SimdF32 for Avx2 {
+    #[inline(always)]
+    fn min(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token proves AVX. `vminps` returns `b` when either lane is NaN.
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token proves AVX. `vmaxps` returns `b` when either lane is NaN.
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn abs(self, v: __m256) -> __m256 {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff))) }
+    }
+    #[inline(always)]
+    fn round(self, v: __m256) -> __m256 {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+    }
+    #[inline(always)]
+    fn scale(self, v: __m256, n: __m256) -> __m256 {
+        // SAFETY: the token proves AVX2.
+        unsafe {
+            // Two factors 2^half and 2^(n - half), each a normal number for n in -150..=128.
+            let pow2 = |k: __m256| {
+                let biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased))
+            };
+            let half = self.round(_mm256_mul_ps(n, _mm256_set1_ps(0.5)));
+            _mm256_mul_ps(_mm256_mul_ps(v, pow2(half)), pow2(_mm256_sub_ps(n, half)))
+        }
+    }
+    #[inline(always)]
+    fn fma(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: the token proves FMA.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn select_lt(self, a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
+    }
+}
+
 impl Simd<f64> for Avx2 {
     type V = __m256d;
     const LANES: usize = 4;
@@ -236,9 +397,19 @@ impl Simd<f64> for Avx2 {
         unsafe { _mm256_add_pd(a, b) }
     }
     #[inline(always)]
+    fn sub(self, a: __m256d, b: __m256d) -> __m256d {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_sub_pd(a, b) }
+    }
+    #[inline(always)]
     fn mul(self, a: __m256d, b: __m256d) -> __m256d {
         // SAFETY: the token proves AVX2.
         unsafe { _mm256_mul_pd(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256d, b: __m256d) -> __m256d {
+        // SAFETY: the token proves AVX.
+        unsafe { _mm256_div_pd(a, b) }
     }
     #[inline(always)]
     fn mul_add(self, a: __m256d, b: __m256d, c: __m256d) -> __m256d {
@@ -393,9 +564,19 @@ impl Simd<f32> for Avx512 {
         unsafe { _mm512_add_ps(a, b) }
     }
     #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
     fn mul(self, a: __m512, b: __m512) -> __m512 {
         // SAFETY: the token proves AVX-512F.
         unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_div_ps(a, b) }
     }
     #[inline(always)]
     fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
@@ -414,6 +595,44 @@ impl Simd<f32> for Avx512 {
     }
 }
 
+impl SimdF32 for Avx512 {
+    #[inline(always)]
+    fn min(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F. `vminps` returns `b` when either lane is NaN.
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F. `vmaxps` returns `b` when either lane is NaN.
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn abs(self, v: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_abs_ps(v) }
+    }
+    #[inline(always)]
+    fn round(self, v: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v) }
+    }
+    #[inline(always)]
+    fn scale(self, v: __m512, n: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F. `vscalefps` computes v * 2^floor(n) with one rounding.
+        unsafe { _mm512_scalef_ps(v, n) }
+    }
+    #[inline(always)]
+    fn fma(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn select_lt(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), y, x) }
+    }
+}
+
 impl Simd<f64> for Avx512 {
     type V = __m512d;
     const LANES: usize = 8;
@@ -429,9 +648,19 @@ impl Simd<f64> for Avx512 {
         unsafe { _mm512_add_pd(a, b) }
     }
     #[inline(always)]
+    fn sub(self, a: __m512d, b: __m512d) -> __m512d {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_sub_pd(a, b) }
+    }
+    #[inline(always)]
     fn mul(self, a: __m512d, b: __m512d) -> __m512d {
         // SAFETY: the token proves AVX-512F.
         unsafe { _mm512_mul_pd(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512d, b: __m512d) -> __m512d {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_div_pd(a, b) }
     }
     #[inline(always)]
     fn mul_add(self, a: __m512d, b: __m512d, c: __m512d) -> __m512d {
@@ -556,6 +785,31 @@ impl Lanes<Avx512> for f16 {
         Avx2::from(s).put(&mut dst[..16], bits)
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Any `vectorize::Job`, compiled with each token's features.
+
+/// Entry point running a [`Job`] compiled with the token's target features.
+macro_rules! job_entry_point {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// Runs `job`, its loops compiled (inlined) with this token's features.
+            pub(crate) fn run_job<J: Job>(self, job: J) -> J::Output {
+                #[target_feature(enable = $features)]
+                unsafe fn run<J: Job>(job: J) -> J::Output {
+                    job.run()
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(job) }
+            }
+        }
+    };
+}
+
+use crate::vectorize::Job;
+
+job_entry_point!(Avx2, "avx2,fma,f16c");
+job_entry_point!(Avx512, "avx512f,avx2,fma,f16c");
 
 // ---------------------------------------------------------------------------------------------
 // Adam / AdamW (crate::adam): the chunk update compiled with FMA, as ATen's AVX2 kernel is.

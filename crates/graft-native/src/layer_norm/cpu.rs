@@ -9,8 +9,8 @@ use graft_kernels::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat, Stat
 use half::{bf16, f16};
 
 use super::{
-    check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter,
-    not_implemented, stat_sizes, BackwardArgs, ForwardArgs,
+    check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter, not_implemented,
+    stat_sizes, BackwardArgs, ForwardArgs,
 };
 use crate::rms_norm::{contiguous, to_dtype};
 use crate::stats::Counters;
@@ -48,8 +48,12 @@ fn acc_values<T: NormFloat>(p: Option<&Tensor>) -> Result<Option<Vec<T::Acc>>>
 where
     T::Acc: Element,
 {
-    p.map(|t| Ok(contiguous_as(t, T::Acc::DTYPE)?.as_slice::<T::Acc>()?.to_vec()))
-        .transpose()
+    p.map(|t| {
+        Ok(contiguous_as(t, T::Acc::DTYPE)?
+            .as_slice::<T::Acc>()?
+            .to_vec())
+    })
+    .transpose()
 }
 
 /// aten::native_layer_norm at the CPU key.
@@ -117,7 +121,10 @@ impl Forward<'_> {
         T::Acc: Element + AccValue,
     {
         let x = contiguous(self.input)?;
-        let (w, b) = (acc_values::<T>(self.params[0])?, acc_values::<T>(self.params[1])?);
+        let (w, b) = (
+            acc_values::<T>(self.params[0])?,
+            acc_values::<T>(self.params[1])?,
+        );
         let mut y = NewTensor::empty(self.input.sizes()?, T::DTYPE, Device::CPU)?;
         let rows = self.rows as i64;
         let mut mean = NewTensor::empty(&[rows], T::Acc::DTYPE, Device::CPU)?;
@@ -262,7 +269,9 @@ impl Backward<'_> {
     }
 
     /// (dx, dw, db); dw and db flat in the accumulation type.
-    fn run<T: NormFloat + Element>(&self) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>
+    fn run<T: NormFloat + Element>(
+        &self,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>
     where
         T::Acc: Element,
     {
@@ -282,8 +291,14 @@ impl Backward<'_> {
         let (mut dw, mut db) = (acc_vec(self.mask[1])?, acc_vec(self.mask[2])?);
         let grads = Grads {
             dx: dx.as_mut().map(|t| t.as_mut_slice::<T>()).transpose()?,
-            dw: dw.as_mut().map(|t| t.as_mut_slice::<T::Acc>()).transpose()?,
-            db: db.as_mut().map(|t| t.as_mut_slice::<T::Acc>()).transpose()?,
+            dw: dw
+                .as_mut()
+                .map(|t| t.as_mut_slice::<T::Acc>())
+                .transpose()?,
+            db: db
+                .as_mut()
+                .map(|t| t.as_mut_slice::<T::Acc>())
+                .transpose()?,
         };
         let stats = Stats {
             mean: mean.as_slice::<T::Acc>()?,

@@ -141,8 +141,12 @@ impl Kernel for BackwardCuda {
         // dw and db in the parameters' shapes and dtypes (zeros when there are no rows).
         let grad_of = |want: bool, p: &Option<Tensor>| -> Result<Option<Tensor>> {
             match (want, p) {
-                (true, Some(p)) if rows == 0 => Ok(Some(filled(p.sizes()?, p.dtype()?, device, 0.0)?)),
-                (true, Some(p)) => Ok(Some(NewTensor::empty(p.sizes()?, p.dtype()?, device)?.finish())),
+                (true, Some(p)) if rows == 0 => {
+                    Ok(Some(filled(p.sizes()?, p.dtype()?, device, 0.0)?))
+                }
+                (true, Some(p)) => Ok(Some(
+                    NewTensor::empty(p.sizes()?, p.dtype()?, device)?.finish(),
+                )),
                 _ => Ok(None),
             }
         };
@@ -180,9 +184,14 @@ impl Kernel for BackwardCuda {
             let (mean, rstd) = (contiguous_as(&mean, acc)?, contiguous_as(&rstd, acc)?);
             let kdtype = kernel_dtype(dtype);
             let sums = mask[1] || mask[2];
-            let workspace_bytes =
-                graft_cuda::layer_norm_backward_workspace_bytes(device.index, kdtype, rows, cols, sums)
-                    .map_err(cuda_error)?;
+            let workspace_bytes = graft_cuda::layer_norm_backward_workspace_bytes(
+                device.index,
+                kdtype,
+                rows,
+                cols,
+                sums,
+            )
+            .map_err(cuda_error)?;
             let workspace = sums
                 .then(|| NewTensor::empty(&[workspace_bytes.max(16) as i64], DType::U8, device))
                 .transpose()?

@@ -23,6 +23,10 @@ pub static GEGLU_CPU: Counters = Counters::new();
 pub static GEGLU_CUDA: Counters = Counters::new();
 pub static GEGLU_BACKWARD_CPU: Counters = Counters::new();
 pub static GEGLU_BACKWARD_CUDA: Counters = Counters::new();
+pub static SWIGLU_BACKWARD_INPLACE_CPU: Counters = Counters::new();
+pub static SWIGLU_BACKWARD_INPLACE_CUDA: Counters = Counters::new();
+pub static GEGLU_BACKWARD_INPLACE_CPU: Counters = Counters::new();
+pub static GEGLU_BACKWARD_INPLACE_CUDA: Counters = Counters::new();
 
 fn gelu(tanh: bool) -> Activation {
     if tanh {
@@ -215,6 +219,89 @@ fn backward_cuda(
     Ok((dg, du))
 }
 
+/// The bytes a contiguous tensor's elements occupy, `[start, end)`.
+fn byte_range(t: &Tensor) -> Result<(u64, u64)> {
+    let start = t.data_ptr()? as u64;
+    let bytes = (t.numel()? * t.dtype()?.size().unwrap_or(1)) as u64;
+    Ok((start, start + bytes))
+}
+
+fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+/// The in-place backward's checks: the forward's, and `gate` and `up` apart in memory (for
+/// strided views, which may interleave without sharing an element, only a shared first element
+/// is caught).
+fn check_in_place(op: &str, grad: &Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
+    check(op, &[("gate", gate), ("up", up), ("grad", grad)])?;
+    if gate.numel()? > 0 {
+        let dense = gate.is_contiguous()? && up.is_contiguous()?;
+        let shared = if dense {
+            overlap(byte_range(gate)?, byte_range(up)?)
+        } else {
+            gate.data_ptr()? == up.data_ptr()?
+        };
+        ensure!(
+            !shared,
+            "{op}: gate and up must not overlap (each receives its own gradient)"
+        );
+    }
+    Ok(())
+}
+
+/// `gate <- dgate`, `up <- dup`, computing into new tensors and copying (layouts the in-place
+/// kernels do not take).
+fn backward_by_copy(
+    backward: impl FnOnce() -> Result<(Tensor, Tensor)>,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<()> {
+    let (dg, du) = backward()?;
+    gate.copy_from(&dg)?;
+    up.copy_from(&du)
+}
+
+/// The in-place backward on CUDA: the kernel reads each element of `gate`, `up` and `grad`
+/// before writing the same element of `gate` and `up`, so it runs over them directly when all
+/// three are contiguous and `grad` is either `gate`/`up` itself or apart from both.
+fn backward_in_place_cuda(
+    op: &str,
+    act: GluActivation,
+    grad: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<()> {
+    check_in_place(op, grad, gate, up)?;
+    let n = gate.numel()?;
+    if n == 0 {
+        return Ok(());
+    }
+    let contiguous_all = gate.is_contiguous()? && up.is_contiguous()? && grad.is_contiguous()?;
+    let g = byte_range(grad)?;
+    let grad_apart = [byte_range(gate)?, byte_range(up)?]
+        .iter()
+        .all(|&r| r == g || !overlap(r, g));
+    if !(contiguous_all && grad_apart) {
+        return backward_by_copy(|| backward_cuda(op, act, grad, gate, up), gate, up);
+    }
+    let device = gate.device()?;
+    let _guard = DeviceGuard::new(device.index)?;
+    graft_cuda::glu_backward(&GluBackward {
+        device: device.index,
+        stream: current_stream(device.index)? as usize,
+        dtype: cuda_dtype(op, gate.dtype()?)?,
+        activation: act,
+        gate: ptr(gate)?,
+        up: ptr(up)?,
+        dy: ptr(grad)?,
+        dgate: ptr(gate)?,
+        dup: ptr(up)?,
+        n,
+    })
+    .map_err(cuda_error)
+}
+
 fn cuda_gelu(tanh: bool) -> GluActivation {
     if tanh {
         GluActivation::GeluTanh
@@ -225,12 +312,12 @@ fn cuda_gelu(tanh: bool) -> GluActivation {
 
 // -------------------------------------------------------------------------------- kernels
 
-/// `torchgraft::swiglu` at CPU.
+/// `torchgraft::swiglu` at CPU (`inplace_backward` only matters to the autograd formula).
 pub struct SwigluCpu;
 impl Kernel for SwigluCpu {
-    type Args = (Tensor, Tensor);
+    type Args = (Tensor, Tensor, bool);
     type Outputs = (Tensor,);
-    fn run((gate, up): Self::Args) -> Result<(Tensor,)> {
+    fn run((gate, up, _inplace_backward): Self::Args) -> Result<(Tensor,)> {
         SWIGLU_CPU.call();
         Ok((forward_cpu("swiglu", Activation::Silu, &gate, &up)?,))
     }
@@ -250,9 +337,9 @@ impl Kernel for SwigluBackwardCpu {
 /// `torchgraft::geglu` at CPU.
 pub struct GegluCpu;
 impl Kernel for GegluCpu {
-    type Args = (Tensor, Tensor, bool);
+    type Args = (Tensor, Tensor, bool, bool);
     type Outputs = (Tensor,);
-    fn run((gate, up, tanh): Self::Args) -> Result<(Tensor,)> {
+    fn run((gate, up, tanh, _inplace_backward): Self::Args) -> Result<(Tensor,)> {
         GEGLU_CPU.call();
         Ok((forward_cpu("geglu", gelu(tanh), &gate, &up)?,))
     }
@@ -272,9 +359,9 @@ impl Kernel for GegluBackwardCpu {
 /// `torchgraft::swiglu` at CUDA.
 pub struct SwigluCuda;
 impl Kernel for SwigluCuda {
-    type Args = (Tensor, Tensor);
+    type Args = (Tensor, Tensor, bool);
     type Outputs = (Tensor,);
-    fn run((gate, up): Self::Args) -> Result<(Tensor,)> {
+    fn run((gate, up, _inplace_backward): Self::Args) -> Result<(Tensor,)> {
         SWIGLU_CUDA.call();
         Ok((forward_cuda("swiglu", GluActivation::Silu, &gate, &up)?,))
     }
@@ -294,9 +381,9 @@ impl Kernel for SwigluBackwardCuda {
 /// `torchgraft::geglu` at CUDA.
 pub struct GegluCuda;
 impl Kernel for GegluCuda {
-    type Args = (Tensor, Tensor, bool);
+    type Args = (Tensor, Tensor, bool, bool);
     type Outputs = (Tensor,);
-    fn run((gate, up, tanh): Self::Args) -> Result<(Tensor,)> {
+    fn run((gate, up, tanh, _inplace_backward): Self::Args) -> Result<(Tensor,)> {
         GEGLU_CUDA.call();
         Ok((forward_cuda("geglu", cuda_gelu(tanh), &gate, &up)?,))
     }
@@ -310,5 +397,56 @@ impl Kernel for GegluBackwardCuda {
     fn run((grad, gate, up, tanh): Self::Args) -> Result<(Tensor, Tensor)> {
         GEGLU_BACKWARD_CUDA.call();
         backward_cuda("geglu_backward", cuda_gelu(tanh), &grad, &gate, &up)
+    }
+}
+
+/// `torchgraft::swiglu_backward_` at CPU (computes into temporaries and copies: the memory
+/// saving is the GPU's).
+pub struct SwigluBackwardInPlaceCpu;
+impl Kernel for SwigluBackwardInPlaceCpu {
+    type Args = (Tensor, Tensor, Tensor);
+    type Outputs = ();
+    fn run((grad, gate, up): Self::Args) -> Result<()> {
+        SWIGLU_BACKWARD_INPLACE_CPU.call();
+        let op = "swiglu_backward_";
+        check_in_place(op, &grad, &gate, &up)?;
+        let backward = || backward_cpu(op, Activation::Silu, &grad, &gate, &up);
+        backward_by_copy(backward, &gate, &up)
+    }
+}
+
+/// `torchgraft::geglu_backward_` at CPU.
+pub struct GegluBackwardInPlaceCpu;
+impl Kernel for GegluBackwardInPlaceCpu {
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Outputs = ();
+    fn run((grad, gate, up, tanh): Self::Args) -> Result<()> {
+        GEGLU_BACKWARD_INPLACE_CPU.call();
+        let op = "geglu_backward_";
+        check_in_place(op, &grad, &gate, &up)?;
+        let backward = || backward_cpu(op, gelu(tanh), &grad, &gate, &up);
+        backward_by_copy(backward, &gate, &up)
+    }
+}
+
+/// `torchgraft::swiglu_backward_` at CUDA.
+pub struct SwigluBackwardInPlaceCuda;
+impl Kernel for SwigluBackwardInPlaceCuda {
+    type Args = (Tensor, Tensor, Tensor);
+    type Outputs = ();
+    fn run((grad, gate, up): Self::Args) -> Result<()> {
+        SWIGLU_BACKWARD_INPLACE_CUDA.call();
+        backward_in_place_cuda("swiglu_backward_", GluActivation::Silu, &grad, &gate, &up)
+    }
+}
+
+/// `torchgraft::geglu_backward_` at CUDA.
+pub struct GegluBackwardInPlaceCuda;
+impl Kernel for GegluBackwardInPlaceCuda {
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Outputs = ();
+    fn run((grad, gate, up, tanh): Self::Args) -> Result<()> {
+        GEGLU_BACKWARD_INPLACE_CUDA.call();
+        backward_in_place_cuda("geglu_backward_", cuda_gelu(tanh), &grad, &gate, &up)
     }
 }

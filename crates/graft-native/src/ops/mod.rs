@@ -6,7 +6,10 @@
 //! fake (meta) functions live in Python (`torchgraft.ops.<op>.custom_op`), which calls the
 //! backward ops defined here. Adding an op is one row of [`OPS`] plus its kernel module.
 
+mod cross_entropy;
 mod glu;
+mod linear_cross_entropy;
+mod rope;
 
 use std::sync::Mutex;
 
@@ -29,7 +32,7 @@ struct CustomOp {
 const OPS: &[CustomOp] = &[
     CustomOp {
         op: "torchgraft::swiglu",
-        schema: c"swiglu(Tensor gate, Tensor up) -> Tensor",
+        schema: c"swiglu(Tensor gate, Tensor up, *, bool inplace_backward=False) -> Tensor",
         register_cpu: |lib| lib.register::<glu::SwigluCpu>(c"swiglu"),
         register_cuda: |lib| lib.register::<glu::SwigluCuda>(c"swiglu"),
         cpu_counters: &glu::SWIGLU_CPU,
@@ -45,7 +48,7 @@ const OPS: &[CustomOp] = &[
     },
     CustomOp {
         op: "torchgraft::geglu",
-        schema: c"geglu(Tensor gate, Tensor up, bool tanh) -> Tensor",
+        schema: c"geglu(Tensor gate, Tensor up, bool tanh, *, bool inplace_backward=False) -> Tensor",
         register_cpu: |lib| lib.register::<glu::GegluCpu>(c"geglu"),
         register_cuda: |lib| lib.register::<glu::GegluCuda>(c"geglu"),
         cpu_counters: &glu::GEGLU_CPU,
@@ -59,6 +62,108 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
         cpu_counters: &glu::GEGLU_BACKWARD_CPU,
         cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::swiglu_backward_",
+        schema: c"swiglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up) -> ()",
+        register_cpu: |lib| lib.register::<glu::SwigluBackwardInPlaceCpu>(c"swiglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::SwigluBackwardInPlaceCuda>(c"swiglu_backward_"),
+        cpu_counters: &glu::SWIGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::SWIGLU_BACKWARD_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::geglu_backward_",
+        schema: c"geglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up, bool tanh) -> ()",
+        register_cpu: |lib| lib.register::<glu::GegluBackwardInPlaceCpu>(c"geglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::GegluBackwardInPlaceCuda>(c"geglu_backward_"),
+        cpu_counters: &glu::GEGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::GEGLU_BACKWARD_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rope",
+        schema: c"rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rope::RopeCpu>(c"rope"),
+        register_cuda: |lib| lib.register::<rope::RopeCuda>(c"rope"),
+        cpu_counters: &rope::ROPE_CPU,
+        cuda_counters: &rope::ROPE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rope_backward",
+        schema: c"rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, int unsqueeze_dim) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rope::RopeBackwardCpu>(c"rope_backward"),
+        register_cuda: |lib| lib.register::<rope::RopeBackwardCuda>(c"rope_backward"),
+        cpu_counters: &rope::ROPE_BACKWARD_CPU,
+        cuda_counters: &rope::ROPE_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::cross_entropy",
+        schema: c"cross_entropy(Tensor logits, Tensor target, int ignore_index, int reduction, float label_smoothing, bool compute_grad) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<cross_entropy::CrossEntropyCpu>(c"cross_entropy"),
+        register_cuda: |lib| lib.register::<cross_entropy::CrossEntropyCuda>(c"cross_entropy"),
+        cpu_counters: &cross_entropy::CROSS_ENTROPY_CPU,
+        cuda_counters: &cross_entropy::CROSS_ENTROPY_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::cross_entropy_",
+        schema: c"cross_entropy_(Tensor(a!) logits, Tensor target, int ignore_index, int reduction, float label_smoothing) -> Tensor",
+        register_cpu: |lib| lib.register::<cross_entropy::CrossEntropyInPlaceCpu>(c"cross_entropy_"),
+        register_cuda: |lib| {
+            lib.register::<cross_entropy::CrossEntropyInPlaceCuda>(c"cross_entropy_")
+        },
+        cpu_counters: &cross_entropy::CROSS_ENTROPY_INPLACE_CPU,
+        cuda_counters: &cross_entropy::CROSS_ENTROPY_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::scale_grad",
+        schema: c"scale_grad(Tensor grad, Tensor grad_output) -> Tensor",
+        register_cpu: |lib| lib.register::<cross_entropy::ScaleGradKernel<false>>(c"scale_grad"),
+        register_cuda: |lib| lib.register::<cross_entropy::ScaleGradKernel<true>>(c"scale_grad"),
+        cpu_counters: &cross_entropy::SCALE_GRAD_CPU,
+        cuda_counters: &cross_entropy::SCALE_GRAD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::scale_grad_",
+        schema: c"scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()",
+        register_cpu: |lib| {
+            lib.register::<cross_entropy::ScaleGradInPlaceKernel<false>>(c"scale_grad_")
+        },
+        register_cuda: |lib| {
+            lib.register::<cross_entropy::ScaleGradInPlaceKernel<true>>(c"scale_grad_")
+        },
+        cpu_counters: &cross_entropy::SCALE_GRAD_INPLACE_CPU,
+        cuda_counters: &cross_entropy::SCALE_GRAD_INPLACE_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::linear_cross_entropy",
+        schema: c"linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, int reduction, int chunk_size, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)",
+        register_cpu: |lib| {
+            lib.register::<linear_cross_entropy::LinearCrossEntropyKernel<false>>(
+                c"linear_cross_entropy",
+            )
+        },
+        register_cuda: |lib| {
+            lib.register::<linear_cross_entropy::LinearCrossEntropyKernel<true>>(
+                c"linear_cross_entropy",
+            )
+        },
+        cpu_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_CPU,
+        cuda_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::linear_cross_entropy_backward",
+        schema: c"linear_cross_entropy_backward(Tensor grad_output, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, int chunk_size, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        register_cpu: |lib| {
+            lib.register::<linear_cross_entropy::LinearCrossEntropyBackwardKernel<false>>(
+                c"linear_cross_entropy_backward",
+            )
+        },
+        register_cuda: |lib| {
+            lib.register::<linear_cross_entropy::LinearCrossEntropyBackwardKernel<true>>(
+                c"linear_cross_entropy_backward",
+            )
+        },
+        cpu_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_BACKWARD_CPU,
+        cuda_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_BACKWARD_CUDA,
     },
 ];
 

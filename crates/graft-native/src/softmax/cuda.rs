@@ -10,8 +10,8 @@ use graft_abi::{ensure, DType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{SoftmaxBackward, SoftmaxForward};
 
 use super::{
-    check_same_size, counters, expect_dtype, geometry, grad_input_dtype, not_implemented,
-    wrap_dim, Backward, BackwardArgs, Forward, ForwardArgs, Kind, Which,
+    check_same_size, counters, expect_dtype, geometry, grad_input_dtype, not_implemented, wrap_dim,
+    Backward, BackwardArgs, Forward, ForwardArgs, Kind, Which,
 };
 use crate::rms_norm::contiguous;
 use crate::stats::Counters;

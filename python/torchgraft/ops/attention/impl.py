@@ -10,7 +10,8 @@ plans with the ops' meta functions) and a backward run by another kernel all kee
   cuDNN, natural log (the backward of either kernel can consume the other's);
 * ``cum_seq_q`` / ``cum_seq_k`` undefined, ``max_q`` / ``max_k`` the sequence lengths;
 * the dropout RNG state as ATen allocates it when there is no dropout: flash ``rng_state``
-  uint64 ``(2,)`` and ``unused`` uint64 ``()``, cuDNN seed and offset int64 ``(1,)`` zeros;
+  uint64 ``(2,)`` and ``unused`` uint64 ``()``, cuDNN seed and offset int64 ``()`` zeros (the
+  meta function's shape);
 * flash's ``debug_attn_mask`` an empty tensor, cuDNN's undefined.
 
 FA4 is imported on the first call. If that import fails the impl calls the op again, which
@@ -234,8 +235,10 @@ def cudnn_attention_impl(
             scale=scale,
         )
     out, lse = result
-    seed = torch.zeros(1, dtype=torch.int64, device=query.device)
-    offset = torch.zeros(1, dtype=torch.int64, device=query.device)
+    # Shaped as the op's meta function gives them, which torchgraft's result checks and compiled
+    # graphs hold the impl to (ATen's CUDA kernel itself allocates (1,)); unused without dropout.
+    seed = torch.zeros((), dtype=torch.int64, device=query.device)
+    offset = torch.zeros((), dtype=torch.int64, device=query.device)
     return (
         out,
         lse.unsqueeze(-1),

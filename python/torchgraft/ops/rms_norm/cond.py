@@ -23,8 +23,22 @@ __all__ = [
 
 _DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _ON_ROCM = torch.version.hip is not None
-# Reading a copy-on-write tensor's data pointer materializes it; leave those to aten.
-_is_cow = torch._C._is_cow_tensor
+
+
+def _is_cow(t: Tensor) -> bool:
+    """Whether ``t`` is copy-on-write: reading its data pointer would materialize it, so such
+    tensors are left to aten.
+
+    torch 2.15 raises for tensors with Python dispatch (FakeTensor, when the compile path asks
+    a cond; wrapper subclasses); they own no storage a kernel could materialize: not COW, as
+    torch 2.11-2.14 answered.
+    """
+    try:
+        return torch._C._is_cow_tensor(t)
+    except RuntimeError as exc:
+        if "Python tensor subclasses" in str(exc):
+            return False
+        raise
 
 
 def problem_size(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None) -> int:

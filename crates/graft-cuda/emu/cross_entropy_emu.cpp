@@ -1,0 +1,359 @@
+// Runs the kernels of kernels/cross_entropy.cu on the CPU (cuda_emu.h): the rows kernel for
+// every dtype over odd row lengths and misaligned rows (head / packs / tail), loss only, a
+// separate gradient (same and different 16-byte phase) and the gradient over the logits, label
+// smoothing, ignored rows, a mean's count, per-row scales, rows masked with -inf, block sizes
+// from one warp to 1024 threads and grids smaller than the rows; the count and reduce kernels;
+// the scale kernel (per row and scalar, vector and scalar paths, in place skipping factors of
+// 1). Everything is compared with a float64 reference; outputs are poisoned with NaN first.
+// Build and run with emu/run_cross_entropy.sh. Exit status 1 on any mismatch.
+
+#include <dlfcn.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cuda_emu.h"
+
+using std::exp;
+using std::log;
+inline float __expf(float v) { return std::exp(v); }
+[[noreturn]] inline void __trap() { std::abort(); }
+
+#include "../kernels/cross_entropy.cu"
+
+namespace {
+
+enum class DT { F32, F16, BF16, F64 };
+const char* dt_name(DT d) {
+  switch (d) {
+    case DT::F32: return "f32";
+    case DT::F16: return "f16";
+    case DT::BF16: return "bf16";
+    default: return "f64";
+  }
+}
+size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
+DT acc_of(DT d) { return d == DT::F64 ? DT::F64 : DT::F32; }
+
+// "Device" memory: 64-byte aligned host bytes.
+struct Mem {
+  unsigned char* p = nullptr;
+  explicit Mem(size_t bytes) {
+    p = static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64));
+  }
+  ~Mem() { std::free(p); }
+  Mem(const Mem&) = delete;
+  Mem& operator=(const Mem&) = delete;
+};
+
+void store(DT d, unsigned char* at, double v) {
+  switch (d) {
+    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
+    case DT::F64: std::memcpy(at, &v, 8); break;
+    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
+    case DT::BF16: { __nv_bfloat16 h = __float2bfloat16_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
+  }
+}
+double load(DT d, const unsigned char* at) {
+  switch (d) {
+    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
+    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
+    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
+    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
+  }
+}
+double round_to(DT d, double v) {
+  unsigned char b[8];
+  store(d, b, v);
+  return load(d, b);
+}
+
+unsigned long long rng_state = 0x5eed1234;
+double unit() {
+  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+  return double(rng_state >> 11) / double(1ull << 53);
+}
+
+int failures = 0, checks = 0, launches = 0;
+
+// ||out - ref|| / max(||ref||, scale); NaN / inf must match exactly.
+void check(const std::string& what, const std::vector<double>& out, const std::vector<double>& ref,
+           double tol, double scale) {
+  ++checks;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (std::isnan(ref[i]) || std::isinf(ref[i])) {
+      const bool same = std::isnan(ref[i]) ? std::isnan(out[i]) : out[i] == ref[i];
+      if (!same) {
+        ++failures;
+        std::printf("FAIL %s[%zu] = %g, expected %g\n", what.c_str(), i, out[i], ref[i]);
+        return;
+      }
+      continue;
+    }
+    if (!std::isfinite(out[i])) {
+      ++failures;
+      std::printf("FAIL %s[%zu] = %g, expected %g\n", what.c_str(), i, out[i], ref[i]);
+      return;
+    }
+    num += (out[i] - ref[i]) * (out[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  const double e = std::sqrt(num) / std::max({std::sqrt(den), scale, 1e-300});
+  if (!(e <= tol)) {
+    ++failures;
+    std::printf("FAIL %s: rel err %.3e > %.0e\n", what.c_str(), e, tol);
+  }
+}
+
+double tol(DT d) {
+  switch (d) {
+    case DT::F64: return 1e-12;
+    case DT::F32: return 2e-6;
+    case DT::F16: return 2e-3;
+    default: return 1e-2;
+  }
+}
+
+template <typename P>
+void launch(const std::string& name, unsigned grid, unsigned block, const P& p) {
+  void* f = dlsym(RTLD_DEFAULT, name.c_str());
+  if (!f) {
+    std::printf("FAIL missing kernel %s\n", name.c_str());
+    std::exit(1);
+  }
+  ++launches;
+  graft_emu::launch(reinterpret_cast<void (*)(P)>(f), grid, block, 0, p);
+}
+
+enum class Mode { LossOnly, Separate, OtherPhase, InPlace };
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::LossOnly: return "loss";
+    case Mode::Separate: return "grad";
+    case Mode::OtherPhase: return "grad-phase";
+    default: return "in-place";
+  }
+}
+
+const long long kIgnore = -100;
+
+struct Case {
+  DT d;
+  long rows, cols;
+  bool offset;       // logits start one element past a 16-byte boundary
+  Mode mode;
+  double eps;
+  bool mean;         // gradient divided by the count
+  bool row_scale;
+  bool masked;       // a run of -inf logits in every row
+  unsigned block;
+  unsigned grid;
+};
+
+void run_case(const Case& c) {
+  const DT d = c.d, acc = acc_of(d);
+  const size_t es = dt_size(d), as = dt_size(acc);
+  const size_t n = size_t(c.rows) * c.cols;
+  const size_t off = c.offset ? 1 : 0;
+  const std::string ctx = std::string(dt_name(d)) + " " + std::to_string(c.rows) + "x" +
+                          std::to_string(c.cols) + (c.offset ? " off" : "") + " " +
+                          mode_name(c.mode) + " eps " + std::to_string(c.eps) +
+                          (c.mean ? " mean" : "") + (c.row_scale ? " rowscale" : "") +
+                          (c.masked ? " masked" : "") + " block " + std::to_string(c.block) +
+                          " grid " + std::to_string(c.grid);
+
+  std::vector<double> x(n);
+  for (auto& v : x) v = round_to(d, (unit() * 2 - 1) * 6);
+  if (c.masked) {
+    // -inf over a run longer than one thread's share of small blocks, and over the row's
+    // first element (the head path).
+    for (long r = 0; r < c.rows; ++r) {
+      for (long j = 0; j < c.cols / 2; ++j) x[r * c.cols + j] = -INFINITY;
+    }
+  }
+  std::vector<long long> target(c.rows);
+  for (long r = 0; r < c.rows; ++r) {
+    target[r] = (r % 3 == 1) ? kIgnore : (long long)(unit() * c.cols);
+    if (c.masked && target[r] != kIgnore) target[r] = c.cols - 1 - target[r] % ((c.cols + 1) / 2);
+  }
+  std::vector<double> rs(c.rows);
+  for (auto& v : rs) v = round_to(acc, 0.5 + unit());
+
+  // Reference (float64).
+  long valid = 0;
+  for (auto t : target) valid += t != kIgnore;
+  const double all = c.mean ? 1.0 / double(valid) : 1.0;
+  std::vector<double> lref(c.rows, 0.0), gref(n, 0.0);
+  double gscale = 0;
+  for (long r = 0; r < c.rows; ++r) {
+    if (target[r] == kIgnore) continue;
+    const double* row = &x[r * c.cols];
+    double m = -INFINITY;
+    for (long j = 0; j < c.cols; ++j) m = std::max(m, row[j]);
+    double s = 0, sum = 0;
+    for (long j = 0; j < c.cols; ++j) {
+      s += std::exp(row[j] - m);
+      sum += row[j];
+    }
+    const double lse = m + std::log(s);
+    const long t = long(target[r]);
+    double l = lse - (1 - c.eps) * row[t];
+    if (c.eps > 0) l -= c.eps / c.cols * sum;
+    lref[r] = l;
+    const double sc = all * (c.row_scale ? rs[r] : 1.0);
+    gscale += sc * sc;
+    for (long j = 0; j < c.cols; ++j) {
+      gref[r * c.cols + j] =
+          (std::exp(row[j] - lse) - c.eps / c.cols - (j == t ? 1 - c.eps : 0.0)) * sc;
+    }
+  }
+  // Masked rows with smoothing: sum_c x_c is -inf and the loss +inf, in float64 as in ATen.
+
+  Mem X((n + 2) * es), G((n + 2) * es), L((c.rows + 1) * as), T((c.rows + 1) * 8);
+  Mem RS((c.rows + 1) * as), CNT(16), OUT(16);
+  for (size_t i = 0; i < n; ++i) store(d, X.p + (off + i) * es, x[i]);
+  for (long r = 0; r < c.rows; ++r) store(acc, RS.p + r * as, rs[r]);
+  std::memcpy(T.p, target.data(), c.rows * 8);
+  for (long r = 0; r < c.rows; ++r) store(acc, L.p + r * as, NAN);
+  for (size_t i = 0; i < n + 2; ++i) store(d, G.p + i * es, NAN);
+  store(DT::F64, CNT.p, NAN);
+
+  unsigned char* logits = X.p + off * es;
+  unsigned char* grad = nullptr;
+  switch (c.mode) {
+    case Mode::LossOnly: break;
+    case Mode::Separate: grad = G.p + off * es; break;
+    case Mode::OtherPhase: grad = G.p + (1 - off) * es; break;
+    case Mode::InPlace: grad = logits; break;
+  }
+
+  graft_ce::CeCountParams cp{reinterpret_cast<const long long*>(T.p),
+                             reinterpret_cast<double*>(CNT.p), c.rows, c.cols, kIgnore};
+  launch("graft_ce_count", 1, 1024, cp);
+  check("count " + ctx, {load(DT::F64, CNT.p)}, {double(valid)}, 0, 0);
+
+  graft_ce::CeRowsParams p{};
+  p.logits = logits;
+  p.target = reinterpret_cast<const long long*>(T.p);
+  p.grad = grad;
+  p.loss = L.p;
+  p.count = c.mean ? reinterpret_cast<const double*>(CNT.p) : nullptr;
+  p.row_scale = c.row_scale ? RS.p : nullptr;
+  p.rows = c.rows;
+  p.cols = c.cols;
+  p.ignore_index = kIgnore;
+  p.on_target = 1 - c.eps;
+  p.per_class = c.eps / c.cols;
+  p.smoothing = c.eps > 0;
+  launch(std::string("graft_ce_rows_") + dt_name(d), c.grid, c.block, p);
+
+  std::vector<double> lout(c.rows);
+  for (long r = 0; r < c.rows; ++r) lout[r] = load(acc, L.p + r * as);
+  // The loss is a difference of terms of size |lse| + |x_t|: measured against that size.
+  double lscale = 0;
+  for (long r = 0; r < c.rows; ++r) lscale += 36 + std::log(double(c.cols)) * std::log(double(c.cols));
+  check("loss " + ctx, lout, lref, acc == DT::F64 ? 1e-12 : 2e-6, std::sqrt(lscale));
+  if (grad != nullptr) {
+    std::vector<double> gout(n);
+    for (size_t i = 0; i < n; ++i) gout[i] = load(d, grad + i * es);
+    check("grad " + ctx, gout, gref, tol(d), std::sqrt(gscale));
+  }
+
+  // The reduction of the per-row losses.
+  store(acc, OUT.p, NAN);
+  graft_ce::CeReduceParams rp{L.p, c.mean ? reinterpret_cast<const double*>(CNT.p) : nullptr,
+                              OUT.p, c.rows};
+  launch(std::string("graft_ce_reduce_") + dt_name(acc), 1, 1024, rp);
+  double total = 0;
+  for (long r = 0; r < c.rows; ++r) total += lout[r];
+  if (c.mean) total /= double(valid);
+  check("reduce " + ctx, {load(acc, OUT.p)}, {total}, acc == DT::F64 ? 1e-12 : 1e-7, 0);
+}
+
+void scale_case(DT d, long rows, long cols, bool per_row, bool in_place, bool offset) {
+  const DT acc = acc_of(d);
+  const size_t es = dt_size(d), as = dt_size(acc);
+  const size_t n = size_t(rows) * cols, off = offset ? 1 : 0;
+  std::vector<double> src(n), f(per_row ? rows : 1);
+  for (auto& v : src) v = round_to(d, unit() * 2 - 1);
+  for (size_t i = 0; i < f.size(); ++i) f[i] = (i % 2 == 0) ? 1.0 : round_to(acc, unit() * 3 - 1);
+  Mem S((n + 2) * es), D((n + 2) * es), F((f.size() + 1) * as);
+  for (size_t i = 0; i < n; ++i) store(d, S.p + (off + i) * es, src[i]);
+  for (size_t i = 0; i < n + 2; ++i) store(d, D.p + i * es, NAN);
+  for (size_t i = 0; i < f.size(); ++i) store(acc, F.p + i * as, f[i]);
+  unsigned char* s = S.p + off * es;
+  unsigned char* dst = in_place ? s : D.p + off * es;
+  const long pack = 16 / long(es);
+  const bool vec = !offset && n % pack == 0 && (!per_row || cols % pack == 0);
+  graft_ce::CeScaleParams p{s, dst, F.p, (long long)n, per_row ? cols : (long long)n,
+                            per_row ? 1 : 0, vec ? 1 : 0};
+  launch(std::string("graft_ce_scale_") + dt_name(d), 3, 64, p);
+  std::vector<double> out(n), ref(n);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = load(d, dst + i * es);
+    ref[i] = round_to(d, src[i] * f[per_row ? i / cols : 0]);
+  }
+  const std::string ctx = std::string(dt_name(d)) + " " + std::to_string(rows) + "x" +
+                          std::to_string(cols) + (per_row ? " per-row" : " scalar") +
+                          (in_place ? " in-place" : "") + (vec ? " vec" : "");
+  check("scale " + ctx, out, ref, d == DT::F64 ? 0 : tol(d), 0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  const DT dtypes[] = {DT::F32, DT::BF16, DT::F16, DT::F64};
+  const std::pair<long, long> shapes[] = {{1, 1}, {4, 7}, {5, 33}, {4, 1000}, {3, 4099}, {7, 130}};
+  for (DT d : dtypes) {
+    for (auto [rows, cols] : shapes) {
+      for (Mode mode : {Mode::LossOnly, Mode::Separate, Mode::OtherPhase, Mode::InPlace}) {
+        for (bool offset : {false, true}) {
+          for (double eps : {0.0, 0.2}) {
+            Case c{d, rows, cols, offset, mode, eps, eps == 0.0, eps > 0, false, 128, 2};
+            run_case(c);
+            if (quick) continue;
+            c.block = 32;
+            c.grid = 1;
+            run_case(c);
+          }
+        }
+      }
+      // Block shapes: one warp, a full 1024-thread block; masked rows (a thread's whole share
+      // is -inf); one block per row.
+      // (The double kernel is bounded to 512 threads.)
+      for (unsigned block : {32u, d == DT::F64 ? 512u : 1024u}) {
+        run_case({d, rows, cols, true, Mode::InPlace, 0.0, true, false, cols > 1, block, 3});
+      }
+      run_case({d, rows, cols, false, Mode::Separate, 0.1, false, true, cols > 1, 64,
+                (unsigned)rows});
+    }
+    for (bool per_row : {false, true}) {
+      for (bool in_place : {false, true}) {
+        for (bool offset : {false, true}) {
+          scale_case(d, 5, 24, per_row, in_place, offset);
+          scale_case(d, 3, 7, per_row, in_place, offset);
+        }
+      }
+    }
+  }
+  // An empty batch: count 0, sum 0, mean 0 / 0 = NaN.
+  {
+    Mem CNT(16), OUT(16), T(16), L(16);
+    graft_ce::CeCountParams cp{reinterpret_cast<const long long*>(T.p),
+                               reinterpret_cast<double*>(CNT.p), 0, 10, kIgnore};
+    launch("graft_ce_count", 1, 1024, cp);
+    graft_ce::CeReduceParams rp{L.p, reinterpret_cast<const double*>(CNT.p), OUT.p, 0};
+    launch("graft_ce_reduce_f32", 1, 1024, rp);
+    check("empty mean", {load(DT::F32, OUT.p)}, {NAN}, 0, 0);
+    rp.count = nullptr;
+    launch("graft_ce_reduce_f32", 1, 1024, rp);
+    check("empty sum", {load(DT::F32, OUT.p)}, {0.0}, 0, 0);
+  }
+  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
+  return failures == 0 ? 0 : 1;
+}

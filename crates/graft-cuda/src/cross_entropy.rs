@@ -1,0 +1,531 @@
+//! Cross-entropy rows (loss and gradient in one kernel), the count of rows not ignored, the
+//! reduction of the per-row losses, and scaling a gradient by the upstream gradient: launched
+//! from kernels/cross_entropy.cu.
+//!
+//! A loss is computed by [`cross_entropy_count`] (always first: it also checks the targets),
+//! then [`cross_entropy_rows`], then, for `sum` / `mean`, [`cross_entropy_reduce`], all on one
+//! stream; nothing waits for the host.
+
+use std::sync::OnceLock;
+
+use crate::error::CudaError;
+use crate::launch::{grid_for, launch_named, NamedLaunch};
+use crate::DType;
+
+/// Arguments of [`cross_entropy_rows`]. Pointers are device addresses; arrays are contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyRows {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Element type of the logits and the gradient.
+    pub dtype: DType,
+    /// Logits, `rows * cols`.
+    pub logits: u64,
+    /// Targets, `rows` int64 (checked by [`cross_entropy_count`] before).
+    pub target: u64,
+    /// Gradient output, `rows * cols` (may equal `logits`); `None` computes the loss only.
+    pub grad: Option<u64>,
+    /// Per-row losses, `rows` of the accumulation dtype.
+    pub loss: u64,
+    /// The count written by [`cross_entropy_count`]: the gradient is divided by it (a mean).
+    pub count: Option<u64>,
+    /// Per-row factors of the gradient (`rows` of the accumulation dtype).
+    pub row_scale: Option<u64>,
+    /// Rows.
+    pub rows: usize,
+    /// Classes per row (>= 1).
+    pub cols: usize,
+    /// Target value of rows to skip.
+    pub ignore_index: i64,
+    /// Label smoothing in `[0, 1]`.
+    pub smoothing: f64,
+}
+
+/// Arguments of [`cross_entropy_count`].
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyCount {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Targets, `rows` int64.
+    pub target: u64,
+    /// Output: one f64, the rows whose target is not `ignore_index`.
+    pub count: u64,
+    /// Rows.
+    pub rows: usize,
+    /// Classes: any other target outside `0..cols` fails a device-side assertion.
+    pub cols: usize,
+    /// Target value of rows to skip.
+    pub ignore_index: i64,
+}
+
+/// Arguments of [`cross_entropy_reduce`].
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyReduce {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Dtype of the losses: `F32` or `F64`.
+    pub dtype: DType,
+    /// Per-row losses, `rows`.
+    pub loss_rows: u64,
+    /// For a mean, the count from [`cross_entropy_count`] (the divisor); `None` sums.
+    pub count: Option<u64>,
+    /// Output: one value of `dtype`.
+    pub out: u64,
+    /// Rows (0 writes 0, or NaN for a mean).
+    pub rows: usize,
+}
+
+/// Arguments of [`scale_grad`]: `dst = src * factor`.
+#[derive(Clone, Copy, Debug)]
+pub struct ScaleGrad {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Element type of `src` and `dst`.
+    pub dtype: DType,
+    /// Input, `n` elements.
+    pub src: u64,
+    /// Output, `n` elements (may equal `src`: then elements whose factor is 1 are untouched).
+    pub dst: u64,
+    /// One factor, or one per row of `cols` elements, of the accumulation dtype.
+    pub factor: u64,
+    /// Whether `factor` holds one value per row.
+    pub per_row: bool,
+    /// Elements.
+    pub n: usize,
+    /// Row length when `per_row` (>= 1).
+    pub cols: usize,
+}
+
+/// `graft_ce::CeRowsParams` of kernels/cross_entropy.cu (every field 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RowsParams {
+    logits: u64,
+    target: u64,
+    grad: u64,
+    loss: u64,
+    count: u64,
+    row_scale: u64,
+    rows: i64,
+    cols: i64,
+    ignore_index: i64,
+    on_target: f64,
+    per_class: f64,
+    smoothing: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct CountParams {
+    target: u64,
+    count: u64,
+    rows: i64,
+    cols: i64,
+    ignore_index: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ReduceParams {
+    loss_rows: u64,
+    count: u64,
+    out: u64,
+    rows: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ScaleParams {
+    src: u64,
+    dst: u64,
+    factor: u64,
+    n: i64,
+    cols: i64,
+    per_row: i64,
+    vec: i64,
+}
+
+const ALL_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+/// Threads of the one-block kernels (count, reduce).
+const ONE_BLOCK: u32 = 1024;
+/// Threads per block of the scale kernel, and its resident blocks per SM.
+const SCALE_BLOCK: u32 = 256;
+const SCALE_BLOCKS_PER_SM: u32 = 8;
+
+/// The rows kernel's launch shape: at most `threads` per block (a multiple of 32, at most
+/// 1024), `blocks_per_sm` resident blocks per SM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowsTuning {
+    /// Threads per block, at most (fewer for short rows).
+    pub threads: u32,
+    /// Blocks per SM in the grid (the grid strides over the remaining rows).
+    pub blocks_per_sm: u32,
+}
+
+impl RowsTuning {
+    /// One 1024-thread block per SM: the rows in flight (132 x 256 KB at vocabulary 128k in
+    /// bf16) stay in L2 between the two passes.
+    pub const DEFAULT: RowsTuning = RowsTuning {
+        threads: 1024,
+        blocks_per_sm: 1,
+    };
+
+    /// [`RowsTuning::DEFAULT`], or `TORCHGRAFT_CE_ROWS_TUNING="threads,blocks_per_sm"` (read
+    /// once; for benchmark sweeps).
+    pub fn current() -> RowsTuning {
+        static TUNING: OnceLock<RowsTuning> = OnceLock::new();
+        *TUNING.get_or_init(|| {
+            std::env::var("TORCHGRAFT_CE_ROWS_TUNING")
+                .ok()
+                .and_then(|v| RowsTuning::parse(&v))
+                .unwrap_or(RowsTuning::DEFAULT)
+        })
+    }
+
+    fn parse(v: &str) -> Option<RowsTuning> {
+        let (t, b) = v.split_once(',')?;
+        let threads: u32 = t.trim().parse().ok()?;
+        let blocks_per_sm: u32 = b.trim().parse().ok()?;
+        let ok = (32..=1024).contains(&threads) && threads.is_multiple_of(32) && blocks_per_sm >= 1;
+        ok.then_some(RowsTuning {
+            threads,
+            blocks_per_sm,
+        })
+    }
+
+    /// Threads for rows of `cols` elements of `dtype`: enough for one 16-byte pack each, in
+    /// whole warps, at most `self.threads` and the kernel's bound (512 for F64, else 1024).
+    fn threads_for(self, cols: usize, dtype: DType) -> u32 {
+        let bound = if dtype == DType::F64 { 512 } else { 1024 };
+        let packs = cols.div_ceil(16 / dtype.size()) as u64;
+        let warps = packs.div_ceil(32).max(1);
+        (warps * 32).min(u64::from(self.threads.min(bound))) as u32
+    }
+}
+
+fn dtype_tag(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+    }
+}
+
+/// Entry points of kernels/cross_entropy.cu, for the kernel table.
+pub(crate) fn kernel_names() -> Vec<String> {
+    let mut out = Vec::new();
+    for dtype in ALL_DTYPES {
+        out.push(format!("graft_ce_rows_{}", dtype_tag(dtype)));
+        out.push(format!("graft_ce_scale_{}", dtype_tag(dtype)));
+    }
+    out.push("graft_ce_count".to_string());
+    out.push("graft_ce_reduce_f32".to_string());
+    out.push("graft_ce_reduce_f64".to_string());
+    out
+}
+
+fn check_ptr(name: &str, p: u64, align: usize) -> Result<(), CudaError> {
+    if p == 0 || !p.is_multiple_of(align as u64) {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: cross_entropy: {name} (0x{p:x}) is null or not aligned to {align} bytes"
+        )));
+    }
+    Ok(())
+}
+
+fn check_size(what: &str, elems: usize, elem_size: usize) -> Result<(), CudaError> {
+    if (elems as u64)
+        .checked_mul(elem_size as u64)
+        .is_none_or(|b| b > i64::MAX as u64)
+    {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: cross_entropy: {what} of {elems} elements is too large"
+        )));
+    }
+    Ok(())
+}
+
+/// Per-row losses of `a.logits` and, when `a.grad` is given, the gradient, on `a.stream`.
+/// Nothing is launched for `rows == 0`.
+pub fn cross_entropy_rows(a: &CrossEntropyRows) -> Result<(), CudaError> {
+    cross_entropy_rows_with(a, RowsTuning::current())
+}
+
+/// [`cross_entropy_rows`] with an explicit launch shape.
+pub fn cross_entropy_rows_with(a: &CrossEntropyRows, tuning: RowsTuning) -> Result<(), CudaError> {
+    if a.cols == 0 {
+        return Err(CudaError::invalid(
+            "graft-cuda: cross_entropy: rows need at least one class",
+        ));
+    }
+    if !(0.0..=1.0).contains(&a.smoothing) {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: cross_entropy: label smoothing {} is not in [0, 1]",
+            a.smoothing
+        )));
+    }
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let size = a.dtype.size();
+    let acc = a.dtype.acc().size();
+    let elems = a
+        .rows
+        .checked_mul(a.cols)
+        .ok_or_else(|| CudaError::invalid("graft-cuda: cross_entropy: rows * cols overflows"))?;
+    check_size("logits", elems, size)?;
+    check_ptr("logits", a.logits, size)?;
+    check_ptr("target", a.target, 8)?;
+    check_ptr("loss", a.loss, acc)?;
+    if let Some(g) = a.grad {
+        check_ptr("grad", g, size)?;
+    }
+    if let Some(c) = a.count {
+        check_ptr("count", c, 8)?;
+    }
+    if let Some(r) = a.row_scale {
+        check_ptr("row_scale", r, acc)?;
+    }
+    let threads = tuning.threads_for(a.cols, a.dtype);
+    let st = crate::device::state(a.device)?;
+    let grid = (a.rows as u64).min(u64::from(
+        st.limits.sms.max(1) * tuning.blocks_per_sm.max(1),
+    ));
+    let mut params = RowsParams {
+        logits: a.logits,
+        target: a.target,
+        grad: a.grad.unwrap_or(0),
+        loss: a.loss,
+        count: a.count.unwrap_or(0),
+        row_scale: a.row_scale.unwrap_or(0),
+        rows: a.rows as i64,
+        cols: a.cols as i64,
+        ignore_index: a.ignore_index,
+        on_target: 1.0 - a.smoothing,
+        per_class: a.smoothing / a.cols as f64,
+        smoothing: i64::from(a.smoothing > 0.0),
+    };
+    let name = format!("graft_ce_rows_{}", dtype_tag(a.dtype));
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &name,
+        grid: grid as u32,
+        block: threads,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// Counts the rows whose target is not `ignore_index` into `a.count` (one f64), and fails a
+/// device-side assertion at any other target outside `0..cols`. Launched even for `rows == 0`
+/// (it writes 0).
+pub fn cross_entropy_count(a: &CrossEntropyCount) -> Result<(), CudaError> {
+    check_ptr("count", a.count, 8)?;
+    if a.rows > 0 {
+        check_ptr("target", a.target, 8)?;
+    }
+    let mut params = CountParams {
+        target: a.target,
+        count: a.count,
+        rows: a.rows as i64,
+        cols: a.cols as i64,
+        ignore_index: a.ignore_index,
+    };
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: "graft_ce_count",
+        grid: 1,
+        block: ONE_BLOCK,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// Sums the per-row losses into `a.out` (divided by the count for a mean). Launched even for
+/// `rows == 0`.
+pub fn cross_entropy_reduce(a: &CrossEntropyReduce) -> Result<(), CudaError> {
+    let tag = match a.dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        other => {
+            return Err(CudaError::invalid(format!(
+                "graft-cuda: cross_entropy: losses are f32 or f64, not {other:?}"
+            )))
+        }
+    };
+    let size = a.dtype.size();
+    check_ptr("out", a.out, size)?;
+    if a.rows > 0 {
+        check_ptr("loss_rows", a.loss_rows, size)?;
+    }
+    if let Some(c) = a.count {
+        check_ptr("count", c, 8)?;
+    }
+    let mut params = ReduceParams {
+        loss_rows: a.loss_rows,
+        count: a.count.unwrap_or(0),
+        out: a.out,
+        rows: a.rows as i64,
+    };
+    let name = format!("graft_ce_reduce_{tag}");
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &name,
+        grid: 1,
+        block: ONE_BLOCK,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// `dst = src * factor` on `a.stream`; nothing is launched for `n == 0`.
+pub fn scale_grad(a: &ScaleGrad) -> Result<(), CudaError> {
+    if a.n == 0 {
+        return Ok(());
+    }
+    let size = a.dtype.size();
+    check_size("gradient", a.n, size)?;
+    check_ptr("src", a.src, size)?;
+    check_ptr("dst", a.dst, size)?;
+    check_ptr("factor", a.factor, a.dtype.acc().size())?;
+    let cols = if a.per_row { a.cols } else { a.n };
+    if cols == 0 || (a.per_row && !a.n.is_multiple_of(cols)) {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: cross_entropy: {} elements are not rows of {cols}",
+            a.n
+        )));
+    }
+    let pack = 16 / size;
+    let vec = a.n.is_multiple_of(pack)
+        && (!a.per_row || cols.is_multiple_of(pack))
+        && a.src.is_multiple_of(16)
+        && a.dst.is_multiple_of(16);
+    let work = if vec { a.n / pack } else { a.n } as u64;
+    let mut params = ScaleParams {
+        src: a.src,
+        dst: a.dst,
+        factor: a.factor,
+        n: a.n as i64,
+        cols: cols as i64,
+        per_row: i64::from(a.per_row),
+        vec: i64::from(vec),
+    };
+    let name = format!("graft_ce_scale_{}", dtype_tag(a.dtype));
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &name,
+        grid: grid_for(a.device, work, SCALE_BLOCK, SCALE_BLOCKS_PER_SM)?,
+        block: SCALE_BLOCK,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_match_the_cuda_structs() {
+        assert_eq!(std::mem::size_of::<RowsParams>(), 12 * 8);
+        assert_eq!(std::mem::size_of::<CountParams>(), 5 * 8);
+        assert_eq!(std::mem::size_of::<ReduceParams>(), 4 * 8);
+        assert_eq!(std::mem::size_of::<ScaleParams>(), 7 * 8);
+    }
+
+    #[test]
+    fn names_cover_every_dtype() {
+        let names = kernel_names();
+        assert_eq!(names.len(), 4 * 2 + 3);
+        assert!(names.contains(&"graft_ce_rows_bf16".to_string()));
+        assert!(names.contains(&"graft_ce_scale_f64".to_string()));
+    }
+
+    #[test]
+    fn rows_blocks_fit_the_row() {
+        let t = RowsTuning::DEFAULT;
+        assert_eq!(t.threads_for(128_256, DType::BF16), 1024);
+        assert_eq!(t.threads_for(1000, DType::BF16), 128);
+        assert_eq!(t.threads_for(1, DType::F32), 32);
+        assert_eq!(t.threads_for(33, DType::F64), 32);
+        assert_eq!(t.threads_for(100_000, DType::F64), 512);
+        let small = RowsTuning {
+            threads: 256,
+            blocks_per_sm: 4,
+        };
+        assert_eq!(small.threads_for(128_256, DType::BF16), 256);
+    }
+
+    #[test]
+    fn tuning_parses_only_valid_shapes() {
+        assert_eq!(
+            RowsTuning::parse("512, 2"),
+            Some(RowsTuning {
+                threads: 512,
+                blocks_per_sm: 2
+            })
+        );
+        assert_eq!(RowsTuning::parse("500,2"), None);
+        assert_eq!(RowsTuning::parse("2048,1"), None);
+        assert_eq!(RowsTuning::parse("512,0"), None);
+        assert_eq!(RowsTuning::parse("512"), None);
+    }
+
+    #[test]
+    fn bad_arguments_are_rejected_before_launching() {
+        let rows = CrossEntropyRows {
+            device: 0,
+            stream: 0,
+            dtype: DType::BF16,
+            logits: 256,
+            target: 512,
+            grad: None,
+            loss: 1024,
+            count: None,
+            row_scale: None,
+            rows: 4,
+            cols: 0,
+            ignore_index: -100,
+            smoothing: 0.0,
+        };
+        assert!(cross_entropy_rows(&rows).is_err());
+        let odd = CrossEntropyRows {
+            cols: 10,
+            logits: 257,
+            ..rows
+        };
+        assert!(cross_entropy_rows(&odd)
+            .unwrap_err()
+            .message()
+            .contains("logits"));
+        let smooth = CrossEntropyRows {
+            cols: 10,
+            smoothing: 1.5,
+            ..rows
+        };
+        assert!(cross_entropy_rows(&smooth).is_err());
+        let reduce = CrossEntropyReduce {
+            device: 0,
+            stream: 0,
+            dtype: DType::BF16,
+            loss_rows: 256,
+            count: None,
+            out: 512,
+            rows: 1,
+        };
+        assert!(cross_entropy_reduce(&reduce).is_err());
+    }
+}

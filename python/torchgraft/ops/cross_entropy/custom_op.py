@@ -1,0 +1,200 @@
+"""Fake functions and autograd of ``torchgraft::cross_entropy`` and its companions.
+
+The schemas and kernels are native (crates/graft-native/src/ops/cross_entropy.rs):
+
+- ``cross_entropy(logits, target, ignore_index, reduction, label_smoothing, compute_grad)
+  -> (loss, grad)``: the loss and, in the same pass, its gradient into a new buffer (``grad`` is
+  empty without ``compute_grad``);
+- ``cross_entropy_(logits!, ...) -> loss``: the gradient written over the logits;
+- ``scale_grad(grad, grad_output) -> Tensor`` and ``scale_grad_(grad!, grad_output)``: the
+  backward, a saved gradient times the upstream gradient (a scalar, or one factor per row); in
+  place, elements whose factor is exactly 1 are not touched (no work for ``loss.backward()``).
+
+``cross_entropy`` gets its autograd here (its backward is ``scale_grad``). The in-place variant
+cannot have one (autograd formulas need functional schemas): :class:`CrossEntropyInPlace` wraps it
+for eager use, see :func:`torchgraft.functional.cross_entropy` for when that is safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgraft.ops.native_ops import define_native_ops
+
+__all__ = ["CrossEntropyInPlace", "acc_dtype", "check_logits", "eager"]
+
+define_native_ops()
+
+
+def eager(*tensors: Tensor) -> bool:
+    """Whether this runs eagerly on plain tensors: the condition for working in place on saved
+    buffers (traced graphs, torch.compile's and opcheck's, and tensor subclasses get the
+    functional ops instead)."""
+    return not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The loss's dtype for logits of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_C10_NAMES = {torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.bool: "Bool"}
+
+
+def check_target(op: str, target: Tensor, rows: int) -> None:
+    """The native kernels' target checks, for fake tensors (same messages)."""
+    if target.dtype != torch.int64:
+        name = _C10_NAMES.get(target.dtype, str(target.dtype))
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {name}")
+    if target.dim() != 1:
+        raise RuntimeError(f"{op}: expected a 1-D target, got {target.dim()} dimensions")
+    if target.shape[0] != rows:
+        raise RuntimeError(
+            f"Expected input batch_size ({rows}) to match target batch_size ({target.shape[0]})."
+        )
+
+
+def check_logits(op: str, logits: Tensor, target: Tensor) -> None:
+    """The native kernels' logits checks, for fake tensors (same messages)."""
+    if logits.dtype not in _FLOATS:
+        raise RuntimeError(f"\"{op}\" not implemented for '{logits.dtype}'")
+    if logits.dim() != 2:
+        raise RuntimeError(f"{op}: expected 2-D logits (N, V), got {logits.dim()} dimensions")
+    check_target(op, target, logits.shape[0])
+
+
+def _check_options(reduction: int, label_smoothing: float) -> None:
+    if label_smoothing > 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    if reduction not in (0, 1, 2):
+        raise RuntimeError(
+            f"cross_entropy: {reduction} is not a valid value for reduction "
+            "(0: none, 1: mean, 2: sum)"
+        )
+
+
+def _loss_like(logits: Tensor, reduction: int) -> Tensor:
+    shape = (logits.shape[0],) if reduction == 0 else ()
+    return logits.new_empty(shape, dtype=acc_dtype(logits.dtype))
+
+
+@torch.library.register_fake("torchgraft::cross_entropy")
+def _cross_entropy_fake(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    reduction: int,
+    label_smoothing: float,
+    compute_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    _check_options(reduction, label_smoothing)
+    check_logits("cross_entropy", logits, target)
+    grad = logits.new_empty(logits.shape if compute_grad else (0,))
+    return _loss_like(logits, reduction), grad
+
+
+@torch.library.register_fake("torchgraft::cross_entropy_")
+def _cross_entropy_inplace_fake(
+    logits: Tensor, target: Tensor, ignore_index: int, reduction: int, label_smoothing: float
+) -> Tensor:
+    _check_options(reduction, label_smoothing)
+    check_logits("cross_entropy_", logits, target)
+    return _loss_like(logits, reduction)
+
+
+def _check_scale(op: str, grad: Tensor, grad_output: Tensor) -> None:
+    if grad.dtype not in _FLOATS:
+        raise RuntimeError(f"\"{op}\" not implemented for '{grad.dtype}'")
+    per_row = grad_output.dim() == 1 and grad.dim() > 0 and grad_output.shape[0] == grad.shape[0]
+    if grad_output.dim() != 0 and not per_row:
+        raise RuntimeError(
+            f"{op}: grad_output of size {list(grad_output.shape)} does not fit a gradient of "
+            f"size {list(grad.shape)} (a scalar, or one value per row)"
+        )
+
+
+@torch.library.register_fake("torchgraft::scale_grad")
+def _scale_grad_fake(grad: Tensor, grad_output: Tensor) -> Tensor:
+    _check_scale("scale_grad", grad, grad_output)
+    return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+@torch.library.register_fake("torchgraft::scale_grad_")
+def _scale_grad_inplace_fake(grad: Tensor, grad_output: Tensor) -> None:
+    _check_scale("scale_grad_", grad, grad_output)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    loss, grad = output
+    if inputs[5]:
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(grad)
+    else:
+        # Called without compute_grad: there is no gradient to give.
+        ctx.mark_non_differentiable(loss, grad)
+
+
+def _is_one(grad_loss: Tensor, grad: Tensor) -> bool:
+    """Whether the upstream gradient is known, without waiting for a device, to be exactly 1
+    (``loss.backward()`` on the CPU): then the saved gradient is the answer as it is."""
+    return (
+        grad_loss.device.type == "cpu"
+        and grad_loss.dim() == 0
+        and eager(grad, grad_loss)
+        and grad_loss.item() == 1.0
+    )
+
+
+def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Tensor) -> tuple[Any, ...]:
+    (grad,) = ctx.saved_tensors
+    # The saved buffer may be handed out: autograd never writes into an incoming gradient
+    # (AccumulateGrad takes it only when nothing else holds it, i.e. not with retain_graph).
+    scaled = grad if _is_one(grad_loss, grad) else torch.ops.torchgraft.scale_grad(grad, grad_loss)
+    return scaled, None, None, None, None, None
+
+
+torch.library.register_autograd("torchgraft::cross_entropy", _backward, setup_context=_setup)
+
+
+class CrossEntropyInPlace(torch.autograd.Function):
+    """The loss through ``cross_entropy_``: the logits' buffer becomes their gradient.
+
+    The forward overwrites ``logits`` (and bumps its version counter, so that an autograd node
+    that saved it fails loudly instead of reading the gradient); the backward scales that buffer
+    in place by the upstream gradient (no work when it is 1) and returns it. A second backward
+    through the same graph raises: the buffer was consumed.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: Tensor,
+        target: Tensor,
+        ignore_index: int,
+        reduction: int,
+        label_smoothing: float,
+    ) -> Tensor:
+        loss = torch.ops.torchgraft.cross_entropy_(
+            logits, target, ignore_index, reduction, label_smoothing
+        )
+        torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(logits)
+        ctx.consumed = False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.consumed:
+            raise RuntimeError(
+                "torchgraft cross_entropy(inplace_backward=True): its gradient, held in the "
+                "logits' buffer, was consumed by a first backward; backward through the graph a "
+                "second time (retain_graph=True) needs inplace_backward=False"
+            )
+        (grad,) = ctx.saved_tensors
+        ctx.consumed = True
+        torch.ops.torchgraft.scale_grad_(grad, grad_loss)
+        return grad, None, None, None, None

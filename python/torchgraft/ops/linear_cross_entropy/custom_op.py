@@ -1,0 +1,146 @@
+"""Fake functions and autograd of ``torchgraft::linear_cross_entropy``.
+
+The schemas and the chunked orchestration are native
+(crates/graft-native/src/ops/linear_cross_entropy.rs):
+
+- ``linear_cross_entropy(hidden, weight, target, bias?, ignore_index, reduction, chunk_size,
+  output_mask[3]) -> (loss, d_hidden, d_weight, d_bias)``: for ``mean`` / ``sum`` the gradients
+  of the loss (those ``output_mask`` asks for; the others are empty) are complete after the
+  forward; for ``none`` they are empty;
+- ``linear_cross_entropy_backward(grad_output, hidden, weight, target, bias?, ignore_index,
+  chunk_size, output_mask[3]) -> (d_hidden, d_weight, d_bias)``: ``none``'s backward, which
+  runs the chunks again with the per-row upstream gradient folded into each row.
+
+The backward of ``mean`` / ``sum`` scales the saved gradients by the upstream gradient, in place
+(``scale_grad_``: no work when it is 1, the usual ``loss.backward()``), and returns them; a second
+backward through the same graph raises. While traced (``torch.compile``, export, any tensor
+subclass) it scales out of place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgraft.ops.cross_entropy.custom_op import acc_dtype, check_target, eager
+from torchgraft.ops.native_ops import define_native_ops
+
+__all__: list[str] = []
+
+define_native_ops()
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None) -> None:
+    """The native kernels' checks, for fake tensors (same messages)."""
+    if hidden.dtype not in _FLOATS:
+        raise RuntimeError(f"\"{op}\" not implemented for '{hidden.dtype}'")
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise RuntimeError(
+            f"{op}: expected 2-D hidden (N, H) and weight (V, H), got {hidden.dim()} and "
+            f"{weight.dim()} dimensions"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise RuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({hidden.shape[0]}x{hidden.shape[1]} "
+            f"and {weight.shape[1]}x{weight.shape[0]})"
+        )
+    others = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in others:
+        if t.dtype != hidden.dtype:
+            raise RuntimeError(f"{op}: expected {name} to have dtype {hidden.dtype}, got {t.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise RuntimeError(
+            f"{op}: expected bias of size [{weight.shape[0]}], got {list(bias.shape)}"
+        )
+    check_target(op, target, hidden.shape[0])
+
+
+def _grads_like(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, mask: list[bool], computed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    def grad(want: bool, like: Tensor | None) -> Tensor:
+        shape = like.shape if want and computed and like is not None else (0,)
+        return hidden.new_empty(shape)
+
+    return grad(mask[0], hidden), grad(mask[1], weight), grad(mask[2], bias)
+
+
+@torch.library.register_fake("torchgraft::linear_cross_entropy")
+def _forward_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    reduction: int,
+    chunk_size: int,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check("linear_cross_entropy", hidden, weight, target, bias)
+    shape = (hidden.shape[0],) if reduction == 0 else ()
+    loss = hidden.new_empty(shape, dtype=acc_dtype(hidden.dtype))
+    return (loss, *_grads_like(hidden, weight, bias, output_mask, reduction != 0))
+
+
+@torch.library.register_fake("torchgraft::linear_cross_entropy_backward")
+def _backward_fake(
+    grad_output: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    chunk_size: int,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check("linear_cross_entropy_backward", hidden, weight, target, bias)
+    return _grads_like(hidden, weight, bias, output_mask, True)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    hidden, weight, target, bias, ignore_index, reduction, chunk_size, mask = inputs
+    ctx.mask = list(mask)
+    ctx.unreduced = reduction == 0
+    ctx.consumed = False
+    ctx.mark_non_differentiable(*output[1:])
+    if ctx.unreduced:
+        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        ctx.save_for_backward(hidden, weight, target, bias)
+    else:
+        ctx.save_for_backward(*output[1:])
+
+
+def _scaled(ctx: Any, grads: tuple[Tensor, ...], grad_loss: Tensor) -> list[Tensor]:
+    if not eager(*grads, grad_loss):
+        return [torch.ops.torchgraft.scale_grad(g, grad_loss) for g in grads]
+    if ctx.consumed:
+        raise RuntimeError(
+            "torchgraft linear_cross_entropy: its gradients, computed in the forward, were "
+            "consumed by a first backward; backward through the graph a second time "
+            "(retain_graph=True) is not supported"
+        )
+    ctx.consumed = True
+    for g in grads:
+        torch.ops.torchgraft.scale_grad_(g, grad_loss)
+    return list(grads)
+
+
+def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple[Any, ...]:
+    if ctx.unreduced:
+        hidden, weight, target, bias = ctx.saved_tensors
+        grads = torch.ops.torchgraft.linear_cross_entropy_backward(
+            grad_loss, hidden, weight, target, bias, ctx.ignore_index, ctx.chunk_size, ctx.mask
+        )
+        grads = list(grads)
+    else:
+        grads = _scaled(ctx, ctx.saved_tensors, grad_loss)
+    wanted = zip(grads, ctx.mask, strict=True)
+    d_hidden, d_weight, d_bias = (g if want else None for g, want in wanted)
+    return d_hidden, d_weight, None, d_bias, None, None, None, None
+
+
+torch.library.register_autograd("torchgraft::linear_cross_entropy", _backward, setup_context=_setup)

@@ -1,0 +1,23 @@
+"""The meaning of torchgraft's fused linear cross-entropy, in plain PyTorch (float64)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
+
+__all__ = ["linear_cross_entropy_reference"]
+
+
+def linear_cross_entropy_reference(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` with full float64 logits."""
+    logits = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    return cross_entropy_reference(logits, target, ignore_index, reduction)

@@ -1,0 +1,160 @@
+"""Autograd and fake functions of ``torchgraft::rope``.
+
+The schemas and kernels are native (crates/graft-native/src/ops/rope.rs); importing this module
+defines them and registers what only Python can give: the fake function (shapes and strides for
+``torch.compile``, with the kernels' checks) and the autograd formula. The gradients of ``q`` and
+``k`` come from the fused ``rope_backward`` op; ``cos`` and ``sin`` (which models compute without
+gradient) get theirs from the eager formula, only when they require it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgraft.ops.native_ops import define_native_ops
+from torchgraft.ops.rope.reference import rotate_half
+
+__all__: list[str] = []
+
+define_native_ops()
+
+
+def _is_dense(x: Tensor) -> bool:
+    """Whether ``x``'s elements fill ``numel`` consecutive slots in some dimension order."""
+    if x.numel() == 0:
+        return True
+    expected = 1
+    dims = sorted((st, sz) for st, sz in zip(x.stride(), x.shape, strict=True) if sz != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _output_like(x: Tensor) -> Tensor:
+    """The output the kernels allocate for input ``x``: ``x``'s strides when ``x`` is dense with
+    contiguous rows (what eager's elementwise ops give), else contiguous."""
+    rows_contiguous = x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1
+    if rows_contiguous and _is_dense(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _check(
+    op: str,
+    names: tuple[str, str],
+    x: tuple[Tensor, Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    unsqueeze_dim: int,
+) -> None:
+    """The checks the native kernels make, for fake tensors (same messages)."""
+    tensors = ((names[0], x[0]), (names[1], x[1]), ("cos", cos), ("sin", sin))
+    dtype = x[0].dtype
+    if not dtype.is_floating_point:
+        raise RuntimeError(f"\"{op}\" not implemented for '{dtype}'")
+    for name, t in tensors[1:]:
+        if t.device != x[0].device:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{x[0].device} and {t.device}!"
+            )
+        if t.dtype != dtype:
+            raise RuntimeError(f"{op}: expected {name} to have dtype {dtype}, got {t.dtype}")
+    if sin.shape != cos.shape:
+        raise RuntimeError(
+            f"{op}: expected sin of size {list(cos.shape)} (the size of cos), got {list(sin.shape)}"
+        )
+    rank = cos.dim()
+    if not -rank - 1 <= unsqueeze_dim <= rank:
+        raise RuntimeError(
+            f"Dimension out of range (expected to be in range of [{-rank - 1}, {rank}], but got "
+            f"{unsqueeze_dim})"
+        )
+    if rank < 1:
+        raise RuntimeError(f"{op}: cos and sin must have at least one dimension")
+    table = list(cos.unsqueeze(unsqueeze_dim).shape)
+    rotary = table[-1]
+    if rotary % 2:
+        raise RuntimeError(
+            f"{op}: the rotary dimension (the last size of cos, unsqueezed: {table}) must be even, "
+            f"got {rotary}"
+        )
+    for name, t in tensors[:2]:
+        if t.dim() < 1:
+            raise RuntimeError(f"{op}: {name} must have at least one dimension")
+        if rotary > t.shape[-1]:
+            raise RuntimeError(
+                f"{op}: the rotary dimension {rotary} (the last size of cos) exceeds {name}'s head "
+                f"dimension {t.shape[-1]}"
+            )
+        lead, table_lead = list(t.shape[:-1]), table[:-1]
+        ok = len(table_lead) <= len(lead) and all(
+            c == 1 or (c == s and s != 1)
+            for c, s in zip(reversed(table_lead), reversed(lead), strict=False)
+        )
+        if not ok:
+            raise RuntimeError(
+                f"{op}: cos and sin (unsqueezed: {table}) must broadcast to {name}'s size "
+                f"{list(t.shape)} without expanding it"
+            )
+
+
+@torch.library.register_fake("torchgraft::rope")
+def _rope_fake(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    _check("rope", ("q", "k"), (q, k), cos, sin, unsqueeze_dim)
+    return _output_like(q), _output_like(k)
+
+
+@torch.library.register_fake("torchgraft::rope_backward")
+def _rope_backward_fake(
+    grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int
+) -> tuple[Tensor, Tensor]:
+    _check("rope_backward", ("grad_q", "grad_k"), (grad_q, grad_k), cos, sin, unsqueeze_dim)
+    return _output_like(grad_q), _output_like(grad_k)
+
+
+def _save_inputs(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, cos, sin = inputs[:4]
+    ctx.unsqueeze_dim = inputs[4] if len(inputs) > 4 else 1
+    ctx.table_grads = cos.requires_grad or sin.requires_grad
+    if ctx.table_grads:
+        ctx.save_for_backward(cos, sin, q, k)
+    else:
+        ctx.save_for_backward(cos, sin)
+
+
+def _table_grads(
+    q: Tensor, k: Tensor, cos: Tensor, grad_q: Tensor, grad_k: Tensor, unsqueeze_dim: int
+) -> tuple[Tensor, Tensor]:
+    """Gradients of ``cos`` and ``sin``: the eager formula's, summed over the broadcast dims."""
+    table = cos.unsqueeze(unsqueeze_dim)
+    rotary = table.shape[-1]
+    dcos = torch.zeros_like(table)
+    dsin = torch.zeros_like(table)
+    for x, g in ((q, grad_q), (k, grad_k)):
+        x_rot, g_rot = x[..., :rotary], g[..., :rotary]
+        dcos = dcos + (g_rot * x_rot).sum_to_size(table.shape)
+        dsin = dsin + (g_rot * rotate_half(x_rot)).sum_to_size(table.shape)
+    return dcos.squeeze(unsqueeze_dim), dsin.squeeze(unsqueeze_dim)
+
+
+def _rope_grad(
+    ctx: Any, grad_q: Tensor, grad_k: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, None]:
+    cos, sin = ctx.saved_tensors[:2]
+    dq, dk = torch.ops.torchgraft.rope_backward(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim)
+    dcos = dsin = None
+    if ctx.table_grads:
+        q, k = ctx.saved_tensors[2:]
+        dcos, dsin = _table_grads(q, k, cos, grad_q, grad_k, ctx.unsqueeze_dim)
+    return dq, dk, dcos, dsin, None
+
+
+torch.library.register_autograd("torchgraft::rope", _rope_grad, setup_context=_save_inputs)
