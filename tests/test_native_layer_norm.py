@@ -107,7 +107,11 @@ def test_mixed_dtype_like_aten(dtype):
         got_b = A.native_layer_norm_backward(dy, x, [96], got[1], got[2], w, b, [True] * 3)
     for g, t in zip(got_b, want_b, strict=True):
         assert g.dtype == t.dtype and g.shape == t.shape
-    assert rel_err(got_b[1], want_b[1]) < 1e-4 and rel_err(got_b[2], want_b[2]) < 1e-5
+    # dw and db accumulate in float32 (ATen's CPU kernel, some versions, rounds its partial sums
+    # to the input's dtype: compare with float64, not with it).
+    _, dw_ref, db_ref = layer_norm_backward_reference(dy, x, [96], got[1], got[2], w)
+    assert rel_err(got_b[1], dw_ref) < 1e-5 and rel_err(got_b[2], db_ref) < 1e-5
+    assert rel_err(got_b[0], want_b[0]) < TOL[dtype]
 
 
 def test_close_to_aten_and_layouts():
@@ -250,9 +254,12 @@ def test_gradcheck_float64():
 def test_torch_compile_aot_eager_runs_the_grafts():
     norm = torch.nn.LayerNorm(64)
     x = randn(8, 64).requires_grad_()
+    # A random weighting: sum(norm(x) ** 2) alone is constant in x up to eps, its gradient
+    # cancellation noise.
+    c = randn(8, 64)
 
     def f(t):
-        return norm(t).square().sum()
+        return (norm(t) * c).sum()
 
     (want,) = torch.autograd.grad(f(x), x)
     with torchgraft.enabled():

@@ -7,6 +7,12 @@
 //! `f32` (Cephes' `expf` polynomial) and 2 ulp for `f64` (Cephes' `exp` Padé form); subnormal
 //! results are computed, not flushed; `exp(-inf) = 0`, `exp(+inf) = inf`, `exp(NaN) = NaN`
 //! (arguments are clamped to a range whose ends overflow to inf and underflow to 0).
+//!
+//! Not yet shared: `vmath::exp` (GLU; `f32` only, written against the explicit `SimdF32`
+//! tokens) and `cross_entropy`'s `exp_nonpos` (`f32` for arguments <= 0, `f64` through libm)
+//! compute the same function. This one covers both widths and both argument signs, so it could
+//! serve all three; merging them means re-measuring GLU's and cross-entropy's CPU speed and ulp
+//! bounds, which is left to a separate change.
 
 use crate::float::Acc;
 
