@@ -137,6 +137,12 @@ impl<T: Float> Clone for Convert<T> {
 
 impl<T: Float> Copy for Convert<T> {}
 
+impl<T: Float> Default for Convert<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T: Float> Convert<T> {
     /// The conversions of [`Isa::current`](crate::Isa::current).
     pub fn new() -> Self {

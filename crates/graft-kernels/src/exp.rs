@@ -92,7 +92,7 @@ impl VecExp for f32 {
         p = madd::<f32, FMA>(p, r, 8.333_452e-3);
         p = madd::<f32, FMA>(p, r, 4.166_579_6e-2);
         p = madd::<f32, FMA>(p, r, 1.666_666_5e-1);
-        p = madd::<f32, FMA>(p, r, 5.000_000_1e-1);
+        p = madd::<f32, FMA>(p, r, 0.5); // Cephes: 5.0000001201e-1, which is 0.5 in f32
         let e = madd::<f32, FMA>(p, r * r, r) + 1.0;
         // 2^n as two normal halves (n lies in [-150, 129]), so subnormal results come out right.
         let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
@@ -120,7 +120,7 @@ impl VecExp for f64 {
         const P: [f64; 3] = [
             1.261_771_930_748_105_9e-4,
             3.029_944_077_074_419_6e-2,
-            9.999_999_999_999_999_9e-1,
+            1.0, // Cephes: 9.9999999999999999991e-1, which is 1.0 in f64
         ];
         const Q: [f64; 4] = [
             3.001_985_051_386_644_6e-6,

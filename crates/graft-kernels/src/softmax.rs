@@ -488,7 +488,7 @@ fn fold_lanes<A: Acc>(mut lanes: [A; 16]) -> A {
     while w > 1 {
         w /= 2;
         for i in 0..w {
-            lanes[i] = lanes[i] + lanes[i + w];
+            lanes[i] += lanes[i + w];
         }
     }
     lanes[0]
