@@ -407,6 +407,8 @@ pub fn rms_norm_forward_with(a: &RmsNormForward, t: &Tuning) -> Result<(), CudaE
         vec: i64::from(pl.vec),
         eps: a.eps,
         inv_cols: 1.0 / a.cols as f64,
+        offset: a.mode.kernel_offset(),
+        round_first: i64::from(a.mode.round_first),
     };
     let _ctx = ContextGuard::enter(api, st.ctx)?;
     launch(
@@ -458,6 +460,8 @@ pub fn rms_norm_backward_with(a: &RmsNormBackward, t: &Tuning) -> Result<(), Cud
         has_dw: i64::from(a.dw.is_some()),
         dw_smem: i64::from(pl.dw_in_smem),
         inv_cols: 1.0 / a.cols as f64,
+        offset: a.mode.kernel_offset(),
+        round_first: i64::from(a.mode.round_first),
     };
     let _ctx = ContextGuard::enter(api, st.ctx)?;
     launch(
@@ -494,6 +498,7 @@ pub fn rms_norm_backward_with(a: &RmsNormBackward, t: &Tuning) -> Result<(), Cud
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::WeightMode;
 
     fn attrs(regs: u32) -> impl Fn(usize) -> KernelAttrs {
         move |_| KernelAttrs {
@@ -654,6 +659,7 @@ mod tests {
             rows: 4,
             cols: 64,
             eps: 1e-6,
+            mode: WeightMode::default(),
         }
     }
 
@@ -672,6 +678,7 @@ mod tests {
             workspace_bytes: 1 << 20,
             rows: 4,
             cols: 64,
+            mode: WeightMode::default(),
         }
     }
 

@@ -7,6 +7,7 @@
 //! backward ops defined here. Adding an op is one row of [`OPS`] plus its kernel module.
 
 mod glu;
+mod rms_norm;
 
 use std::sync::Mutex;
 
@@ -59,6 +60,22 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
         cpu_counters: &glu::GEGLU_BACKWARD_CPU,
         cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rms_norm",
+        schema: c"rms_norm(Tensor x, Tensor? weight, float eps, float offset, bool cast_before_weight) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rms_norm::RmsNormCpu>(c"rms_norm"),
+        register_cuda: |lib| lib.register::<rms_norm::RmsNormCuda>(c"rms_norm"),
+        cpu_counters: &rms_norm::RMS_NORM_CPU,
+        cuda_counters: &rms_norm::RMS_NORM_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rms_norm_backward",
+        schema: c"rms_norm_backward(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, float offset, bool cast_before_weight, bool[2] output_mask) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rms_norm::RmsNormBackwardCpu>(c"rms_norm_backward"),
+        register_cuda: |lib| lib.register::<rms_norm::RmsNormBackwardCuda>(c"rms_norm_backward"),
+        cpu_counters: &rms_norm::RMS_NORM_BACKWARD_CPU,
+        cuda_counters: &rms_norm::RMS_NORM_BACKWARD_CUDA,
     },
 ];
 
