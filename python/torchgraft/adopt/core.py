@@ -179,7 +179,7 @@ def _choose(c: Candidate, ctx: Context) -> tuple[Variant | None, Verdict]:
         return best
     assert closest is not None
     variant, verdict = closest
-    names = ", ".join(v.name for v in c.variants)
+    names = ", ".join(dict.fromkeys(v.name for v in c.variants))  # fallbacks may share names
     why = (
         f"no variant matches ({names}); closest, {variant.name}: {verdict.reason}"
         if len(c.variants) > 1
