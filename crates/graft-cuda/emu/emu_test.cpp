@@ -416,13 +416,17 @@ int main(int argc, char** argv) {
   for (DT d : dts) run_case(d, WK::Same, 2, 70000, false);
   run_case(DT::BF16, WK::Acc, 2, 70001, true);
   // The weight modes of torchgraft::rms_norm: Gemma's offset 1, Llama's rounding first, both.
+  // round_first with a wider (acc) weight under 16-bit inputs is refused by the launcher.
   const Mode modes[] = {{1.0, false}, {0.0, true}, {1.0, true}};
   for (const Mode& m : modes)
     for (DT d : dts)
       for (WK w : {WK::Same, WK::Acc})
         for (long cols : {7L, 1000L})
-          for (bool offset : {false, true}) run_case(d, w, 5, cols, offset, m);
-  run_case(DT::BF16, WK::Acc, 2, 70001, false, {1.0, true});
+          for (bool offset : {false, true})
+            if (!(m.round_first && w == WK::Acc && dt_size(d) == 2))
+              run_case(d, w, 5, cols, offset, m);
+  run_case(DT::BF16, WK::Same, 2, 70001, false, {1.0, true});
+  run_case(DT::BF16, WK::Acc, 2, 70001, true, {1.0, false});
   run_case(DT::F16, WK::Same, 1, 4096, false, {0.0, true});
   std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
   return failures ? 1 : 0;

@@ -253,9 +253,15 @@ struct alignas(16) Arr {
   }
 };
 
+// Whether round_first can change a result: 16-bit inputs with a weight of their own dtype.
+// float32 and float64 round to themselves; for a wider weight (kind `acc`) the llama product
+// would be wider than T, which these kernels do not write: the launcher refuses round_first.
+template <typename T, typename WT>
+constexpr bool ROUNDS = SameType<WT, T>::value && sizeof(T) == 2;
+
 // x <- (x * r) * (w + off) rounded to T (without HAS_W: x * r).
 //
-// With a weight the forward calls this twice: pass 1 without the weight, r1 = r with
+// Where ROUNDS, the forward calls this twice: pass 1 without the weight, r1 = r with
 // round_first (xhat rounded to T in place) else 1 (x * 1 is x: exact), then pass 2 with the
 // weight and r2 = 1 or r. Branch-free on purpose: a select between rounded and unrounded
 // values, or the rounding pass behind a branch, makes ptxas keep more values live (up to 1.5x
@@ -448,7 +454,7 @@ __device__ __forceinline__ void fwd_rows(const FwdParams& p) {
   const A eps = A(p.eps);
   const A inv_cols = A(p.inv_cols);
   const A off = A(p.offset);
-  const bool round_first = HAS_W && p.round_first != 0;
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const WL* __restrict__ w = static_cast<const WL*>(p.w);
   T* __restrict__ y = static_cast<T*>(p.y);
@@ -475,15 +481,27 @@ __device__ __forceinline__ void fwd_rows(const FwdParams& p) {
       if (t == 0) rstd[row] = r;
       Arr<WL, VE> wr[V];
       const A r2 = round_first ? A(1) : r;
-      if constexpr (HAS_W) {
+      if constexpr (ROUNDS<T, WT>) {
         // Pass 1: xhat rounded to T in place, or x * 1 (exact: x itself).
         const A r1 = round_first ? r : A(1);
 #pragma unroll
         for (int k = 0; k < V; ++k) scale_unit<false>(xr[k], wr[k], r1, off);
-        load_row(wr, w, cols, tpr, t, vec, true);
       }
+      // Pass 2, loading each weight unit where it is used (loaded up front, a float32 weight
+      // at 8 units per thread spills).
+      const int nunits = (cols + VE - 1) / VE;
 #pragma unroll
-      for (int k = 0; k < V; ++k) scale_unit<HAS_W>(xr[k], wr[k], r2, off);
+      for (int k = 0; k < V; ++k) {
+        if constexpr (HAS_W) {
+          const int j = k * tpr + t;
+          if (j < nunits) {
+            load_unit(wr[k], w, j, cols, vec);
+          } else {
+            wr[k].zero();
+          }
+        }
+        scale_unit<HAS_W>(xr[k], wr[k], r2, off);
+      }
       store_row(y + base, xr, cols, tpr, t, vec);
     }
   }
@@ -509,7 +527,7 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
   const int t = threadIdx.x - g * tpr;
   const A inv_cols = A(p.inv_cols);
   const A off = A(p.offset);
-  const bool round_first = p.round_first != 0;
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const A* __restrict__ rstd = static_cast<const A*>(p.rstd);
@@ -640,7 +658,7 @@ __device__ __forceinline__ void fwd_loop(const FwdParams& p) {
   const A eps = A(p.eps);
   const A inv_cols = A(p.inv_cols);
   const A off = A(p.offset);
-  const bool round_first = HAS_W && p.round_first != 0;
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const WL* __restrict__ w = static_cast<const WL*>(p.w);
   T* __restrict__ y = static_cast<T*>(p.y);
@@ -677,11 +695,11 @@ __device__ __forceinline__ void fwd_loop(const FwdParams& p) {
       Arr<WL, VE> wv;
       load_unit(xv, xrow, j, cols, vec);
       A r2 = r;
-      if constexpr (HAS_W) {
+      if constexpr (ROUNDS<T, WT>) {
         scale_unit<false>(xv, wv, round_first ? r : A(1), off);  // as in fwd_rows
-        load_unit(wv, w, j, cols, vec);
         r2 = round_first ? A(1) : r;
       }
+      if constexpr (HAS_W) load_unit(wv, w, j, cols, vec);
       scale_unit<HAS_W>(xv, wv, r2, off);
       store_unit(yrow, xv, j, cols, vec);
     }
@@ -707,7 +725,7 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
   const bool has_dw = HAS_W && p.has_dw != 0;
   const A inv_cols = A(p.inv_cols);
   const A off = A(p.offset);
-  const bool round_first = p.round_first != 0;
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const A* __restrict__ rstd = static_cast<const A*>(p.rstd);

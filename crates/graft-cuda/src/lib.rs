@@ -131,7 +131,9 @@ pub struct WeightMode {
     pub offset: f64,
     /// Round `xhat` to the input dtype before the weight multiply, as Llama's
     /// `weight * xhat.to(dtype)` does; the backward's dw then sums `dy * round(xhat)` (the
-    /// rounding's derivative taken as 1, as autograd does for `.to()`).
+    /// rounding's derivative taken as 1, as autograd does for `.to()`). For float16 and
+    /// bfloat16 inputs it needs a weight of their dtype ([`Weight::Same`]): with a wider one
+    /// the model's product is wider than the input, which these kernels do not write.
     pub round_first: bool,
 }
 
