@@ -90,9 +90,17 @@ def run_op_case(shape, dtype, wdtype, offset, cast) -> None:
     w64 = w.cpu().double().requires_grad_()
     ref = rms_norm_reference(x64, w64, 1e-5, offset, cast)
     gx, gw = torch.autograd.grad(ref, (x64, w64), dy.cpu().double())
-    tol = 2 * TOL[dtype]
-    for what, out, want in (("y", y, ref), ("dx", dx, gx), ("dw", dw, gw)):
-        if rel_err(out, want) > 4 * tol:
+    # dx cancels in short rows (one column: dx ~ 0): measured against its terms' size.
+    x64 = x64.detach()
+    terms = (
+        dy.cpu().double()
+        * (w64.detach() + offset)
+        * torch.rsqrt(x64.square().mean(-1) + 1e-5)[..., None]
+    )
+    dx_err = float((dx.cpu().double() - gx).norm() / max(gx.norm(), terms.norm()))
+    errors = {"y": rel_err(y, ref.detach()), "dx": dx_err, "dw": rel_err(dw, gw)}
+    for what, err in errors.items():
+        if err > 8 * max(TOL[dtype], TOL[wdtype]):
             raise AssertionError(f"rms_norm {what} {shape} {dtype} {wdtype} {offset} {cast}")
 
 
