@@ -9,8 +9,8 @@
 mod cross_entropy;
 mod glu;
 mod linear_cross_entropy;
-mod rope;
 mod rms_norm;
+mod rope;
 
 use std::sync::Mutex;
 
