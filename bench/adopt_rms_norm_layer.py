@@ -5,8 +5,10 @@ require grad) with one synchronisation, in alternating rounds, median over round
 (`steps_ms` of bench/rms_norm_train_step.py). Routes:
 
 - own: the model's forward (fp32 upcast by hand), stock PyTorch;
-- adopted: `torchgraft.adopt` (model rounding: `weight * F.rms_norm(x, [H], None, eps)`) + enable;
-- adopted, fuse_weight: `adopt(..., fuse_weight=True)` (`F.rms_norm(x, [H], weight, eps)`) + enable;
+- adopted: `torchgraft.adopt` + enable: `torchgraft::rms_norm` with the model's rounding (one
+  kernel each way; before it existed, `weight * F.rms_norm(x, [H], None, eps)`);
+- adopted, fuse_weight: `adopt(..., fuse_weight=True)` + enable: the same where
+  `torchgraft.functional.rms_norm` exists (else `F.rms_norm(x, [H], weight, eps)`);
 - hand-routed: the forward replaced by `F.rms_norm(x, [H], weight, eps)` by hand + enable.
 
     python bench/adopt_rms_norm_layer.py [--shapes 8x2048x2048 ...] [--out FILE]

@@ -2,10 +2,11 @@
 
 Forward and backward through torchgraft's CUDA kernels over dtypes, widths (vectorized and
 scalar paths, non-powers of two), weights (none, same dtype, float32 under a half input),
-output masks, layouts and empty inputs. Each result is checked against a float64 reference, so
-the run fails on a wrong value as well as on a sanitizer report. Run it under the sanitizer with
-PyTorch's caching allocator off, so that every tensor is its own allocation and an access past
-its end is caught:
+output masks, layouts and empty inputs; then torchgraft::rms_norm and its backward in each
+weight mode (offset 0 and 1, rounding before the weight or not). Each result is checked
+against a float64 reference, so the run fails on a wrong value as well as on a sanitizer
+report. Run it under the sanitizer with PyTorch's caching allocator off, so that every tensor is
+its own allocation and an access past its end is caught:
 
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1
     compute-sanitizer --tool memcheck  --error-exitcode 9 python bench/sanitize_native_cuda.py
@@ -79,6 +80,37 @@ def run_case(shape, dtype, weight, mask, transposed) -> None:
         raise AssertionError(f"dw {shape} {dtype} {weight}")
 
 
+def run_op_case(shape, dtype, wdtype, offset, cast) -> None:
+    """torchgraft::rms_norm (forward and backward ops) in one weight mode."""
+    from torchgraft.ops.model_rms_norm.reference import rms_norm_reference
+
+    cols = shape[-1]
+    x = cuda_randn(*shape, dtype=dtype)
+    w = cuda_randn(cols, dtype=wdtype)
+    y, rstd = torch.ops.torchgraft.rms_norm(x, w, 1e-5, offset, cast)
+    dy = cuda_randn(*y.shape, dtype=dtype)
+    dx, dw = torch.ops.torchgraft.rms_norm_backward(dy, x, rstd, w, offset, cast, [True, True])
+    torch.cuda.synchronize()
+    if x.numel() == 0:
+        return
+    x64 = x.cpu().double().requires_grad_()
+    w64 = w.cpu().double().requires_grad_()
+    ref = rms_norm_reference(x64, w64, 1e-5, offset, cast)
+    gx, gw = torch.autograd.grad(ref, (x64, w64), dy.cpu().double())
+    # dx cancels in short rows (one column: dx ~ 0): measured against its terms' size.
+    x64 = x64.detach()
+    terms = (
+        dy.cpu().double()
+        * (w64.detach() + offset)
+        * torch.rsqrt(x64.square().mean(-1) + 1e-5)[..., None]
+    )
+    dx_err = float((dx.cpu().double() - gx).norm() / max(gx.norm(), terms.norm()))
+    errors = {"y": rel_err(y, ref.detach()), "dx": dx_err, "dw": rel_err(dw, gw)}
+    for what, err in errors.items():
+        if err > 8 * max(TOL[dtype], TOL[wdtype]):
+            raise AssertionError(f"rms_norm {what} {shape} {dtype} {wdtype} {offset} {cast}")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -100,6 +132,14 @@ def main() -> int:
     calls = stats["native/aten::_fused_rms_norm/CUDA"]["calls"]
     if calls != cases:
         raise AssertionError(f"the CUDA graft ran {calls} times for {cases} cases")
+    from torchgraft import functional  # noqa: F401  (defines torchgraft::rms_norm)
+
+    for shape, dtype, offset, cast in itertools.product(SHAPES, DTYPES, [0.0, 1.0], [False, True]):
+        for wdtype in dict.fromkeys([dtype, torch.float32]):
+            if cast and torch.promote_types(dtype, wdtype) != dtype:
+                continue  # the op refuses it (functional.rms_norm computes it in two steps)
+            run_op_case(shape, dtype, wdtype, offset, cast)
+            cases += 1
     print(f"{cases} cases ok")
     return 0
 

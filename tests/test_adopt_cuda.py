@@ -7,7 +7,15 @@ import pytest
 import torch
 
 import torchgraft
-from adopt_helpers import assert_steps_close, batch, instance_forwards, tiny_model, train_step
+from adopt_helpers import (
+    assert_steps_close,
+    batch,
+    contract_module,
+    instance_forwards,
+    tiny_model,
+    train_step,
+    use_functional,
+)
 from torchgraft.adopt.probe import TOLERANCE
 from torchgraft.adopt.report import ADOPTED
 
@@ -16,16 +24,20 @@ pytest.importorskip("transformers")
 
 
 def _cuda_rms_norm_calls(stats: dict[str, dict[str, int]], op: str) -> int:
-    return sum(v["calls"] for k, v in stats.items() if k.endswith(f"aten::{op}/CUDA"))
+    return sum(v["calls"] for k, v in stats.items() if k.endswith(f"{op}/CUDA"))
 
 
-@pytest.mark.parametrize("fuse_weight", [False, True], ids=["model-rounding", "fuse-weight"])
+@pytest.mark.parametrize("functional", ["op", "no-op"])
 @pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "qwen3"])
-def test_bfloat16_training_step_on_cuda(family, fuse_weight):
+def test_bfloat16_training_step_on_cuda(monkeypatch, family, functional):
+    # With torchgraft.functional.rms_norm: one torchgraft::rms_norm kernel each way per norm;
+    # without it (a stand-in functional), the F.rms_norm routes with fuse_weight.
+    if functional == "no-op":
+        use_functional(monkeypatch, contract_module())
     model = tiny_model(family).to("cuda", torch.bfloat16)
     ids, labels = (t.cuda() for t in batch())
     ref = train_step(model, ids, labels)
-    report = torchgraft.adopt(model, fuse_weight=fuse_weight)
+    report = torchgraft.adopt(model, fuse_weight=functional == "no-op")
     norms = [r for r in report.rows if r.kind == "rms_norm"]
     assert norms and all(r.status == ADOPTED for r in norms), report.table(False)
     with torchgraft.enabled():
@@ -33,8 +45,9 @@ def test_bfloat16_training_step_on_cuda(family, fuse_weight):
         step = train_step(model, ids, labels)
         torch.cuda.synchronize()
         stats = torchgraft.stats()
-    assert _cuda_rms_norm_calls(stats, "_fused_rms_norm") >= len(norms)
-    assert _cuda_rms_norm_calls(stats, "_fused_rms_norm_backward") >= len(norms)
+    op = "torchgraft::rms_norm" if functional == "op" else "aten::_fused_rms_norm"
+    assert _cuda_rms_norm_calls(stats, op) >= len(norms)
+    assert _cuda_rms_norm_calls(stats, op + "_backward") >= len(norms)
     assert_steps_close(step, ref, TOLERANCE[torch.bfloat16])
     assert torchgraft.unadopt(model) == len(norms)
     assert instance_forwards(model) == {}

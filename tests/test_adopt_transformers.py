@@ -47,7 +47,7 @@ def test_family_adopts_rms_norm_matches_and_unadopt_restores(family):
     report = torchgraft.adopt(model)
     rows = [r for r in report.rows if r.kind == "rms_norm"]
     assert sorted(r.path for r in rows) == sorted(_norms(model))
-    route = f"{RMS_NORM_VARIANT[family]} -> aten::_fused_rms_norm"
+    route = f"{RMS_NORM_VARIANT[family]} -> torchgraft::rms_norm"
     assert all((r.status, r.route) == (ADOPTED, route) for r in rows), report.table(False)
     # The fused-op adopters either adopt (the op exists in torchgraft.functional and the probe
     # agreed) or say why not.
@@ -61,8 +61,10 @@ def test_family_adopts_rms_norm_matches_and_unadopt_restores(family):
         torchgraft.reset_stats()
         step = train_step(model, ids, labels)
         stats = torchgraft.stats()
-    assert stats["native/aten::_fused_rms_norm/CPU"]["calls"] == len(rows)
-    assert stats["native/aten::_fused_rms_norm_backward/CPU"]["calls"] == len(rows)
+    # One kernel each way per norm.
+    assert stats["native/torchgraft::rms_norm/CPU"]["calls"] == len(rows)
+    assert stats["native/torchgraft::rms_norm_backward/CPU"]["calls"] == len(rows)
+    assert stats["native/aten::_fused_rms_norm/CPU"]["calls"] == 0
     if mlps:
         fused = sum(v["calls"] for k, v in stats.items() if "glu/CPU" in k and "backward" not in k)
         assert fused == len(mlps), stats
@@ -117,7 +119,7 @@ def test_gradient_checkpointing():
     with torchgraft.enabled():
         torchgraft.reset_stats()
         step = train_step(model, ids, labels)
-        calls = torchgraft.stats()["native/aten::_fused_rms_norm/CPU"]["calls"]
+        calls = torchgraft.stats()["native/torchgraft::rms_norm/CPU"]["calls"]
     # The checkpointed layers' norms run again in the backward.
     assert calls > len(_norms(model))
     assert_steps_close(step, ref, TOLERANCE[torch.float32])

@@ -47,10 +47,16 @@ def test_forward_and_backward_match_float64(name, op, ref, shape, dtype):
     if y.numel() == 0:
         assert gate.grad.shape == gate.shape and up.grad.shape == up.shape
         return
-    assert rel_err_in(y, y64) < TOL[dtype]
+    tol = TOL[dtype]
+    if dtype == torch.float64 and name == "geglu":
+        # Exact GELU is x/2 * (1 + erf(x/sqrt 2)) in the kernel and in the float64 reference
+        # alike: for x near -5, 1 + erf is ~1e-6, so one ulp of erf is ~1e-10 of the result (a
+        # lone element shows it; larger shapes average it away).
+        tol = 1e-9
+    assert rel_err_in(y, y64) < tol
     # The gradients are rounded once from products of rounded inputs: two roundings.
-    assert rel_err_in(gate.grad, g64.grad) < 2 * TOL[dtype]
-    assert rel_err_in(up.grad, u64.grad) < 2 * TOL[dtype]
+    assert rel_err_in(gate.grad, g64.grad) < 2 * tol
+    assert rel_err_in(up.grad, u64.grad) < 2 * tol
 
 
 @pytest.mark.parametrize(("name", "op", "ref"), OPS, ids=[o[0] for o in OPS])

@@ -1,7 +1,9 @@
 // Runs the kernels of kernels/rms_norm.cu on the CPU (cuda_emu.h) over many shapes and
 // launch configurations (every V of every rows kernel, vector and scalar paths, sub-warp
 // and multi-warp row groups, several rows per block, grid-stride loops, the loop kernels,
-// dx/dw modes) and compares with a float64 reference. Outputs are poisoned with NaN first.
+// dx/dw modes, the weight modes of torchgraft::rms_norm) and compares with a float64
+// reference; the forward is also checked bit for bit against the same steps replayed in the
+// accumulation type from the kernel's own rstd. Outputs are poisoned with NaN first.
 // Build and run with emu/run.sh. Exit status 1 on any mismatch.
 
 #include <dlfcn.h>
@@ -104,6 +106,38 @@ double tol(DT d) {
   }
 }
 
+// The weight mode (graft::FwdParams offset / round_first): scale by (offset + w), and round
+// xhat to the dtype before the weight multiply.
+struct Mode {
+  double offset = 0;
+  bool round_first = false;
+};
+
+// The offset as the launcher passes it: 0 as -0.0 (adds exactly nothing).
+double kernel_offset(const Mode& m) { return m.offset == 0 ? -0.0 : m.offset; }
+
+// xhat as the weight multiply sees it, computed as the kernels do: x * r in the accumulation
+// type, rounded to the dtype when round_first.
+double pre_weight(DT d, double x, double r, bool round_first) {
+  const double xhat = acc_of(d) == DT::F64 ? x * r : double(float(x) * float(r));
+  return round_first ? round_to(d, xhat) : xhat;
+}
+
+// One output of the forward, replayed step by step in the accumulation type.
+double forward_exact(DT d, double x, double r, bool has_w, double w, const Mode& m) {
+  if (acc_of(d) == DT::F64) {
+    double v = x * r;
+    if (has_w) v = v * (w + kernel_offset(m));
+    return v;
+  }
+  float v = float(x) * float(r);
+  if (has_w) {
+    if (m.round_first) v = float(round_to(d, v));
+    v = v * (float(w) + float(kernel_offset(m)));
+  }
+  return round_to(d, v);
+}
+
 int failures = 0, checks = 0, launches = 0;
 
 void check(const std::string& what, DT d, const std::vector<double>& out,
@@ -191,7 +225,20 @@ std::vector<Config> configs(bool fwd, DT d, WK w, long rows, long cols, bool vec
   return out;
 }
 
-void run_case(DT d, WK w, long rows, long cols, bool offset) {
+void check_exact(const std::string& what, const std::vector<double>& out,
+                 const std::vector<double>& ref) {
+  ++checks;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!(out[i] == ref[i])) {
+      ++failures;
+      std::printf("FAIL %s: element %zu is %.9g, replayed %.9g\n", what.c_str(), i, out[i],
+                  ref[i]);
+      return;
+    }
+  }
+}
+
+void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
   const DT acc = acc_of(d);
   const bool has_w = w != WK::None;
   const DT wd = w == WK::Acc ? acc : d;
@@ -221,7 +268,11 @@ void run_case(DT d, WK w, long rows, long cols, bool offset) {
     for (long j = 0; j < cols; ++j) ss += x[r * cols + j] * x[r * cols + j];
     const double rs = 1.0 / std::sqrt(ss / cols + eps);
     rref[r] = rs;
-    for (long j = 0; j < cols; ++j) yref[r * cols + j] = x[r * cols + j] * rs * wv[j];
+    for (long j = 0; j < cols; ++j) {
+      const double xh = x[r * cols + j] * rs;
+      yref[r * cols + j] =
+          has_w ? (mode.round_first ? round_to(d, xh) : xh) * (wv[j] + mode.offset) : xh;
+    }
   }
   double gscale = 0;  // ||rstd * g||, the scale of dx's terms
   std::vector<double> dwabs(cols, 0.0);  // for dw's scale: sum of |terms| / sqrt(rows)
@@ -229,21 +280,25 @@ void run_case(DT d, WK w, long rows, long cols, bool offset) {
   for (long r = 0; r < rows; ++r) rin[r] = round_to(acc, rref[r]);
   for (long r = 0; r < rows; ++r) {
     double dot = 0;
-    for (long j = 0; j < cols; ++j) dot += dy[r * cols + j] * wv[j] * x[r * cols + j] * rin[r];
+    const auto scale = [&](long j) { return has_w ? wv[j] + mode.offset : 1.0; };
+    for (long j = 0; j < cols; ++j) dot += dy[r * cols + j] * scale(j) * x[r * cols + j] * rin[r];
     const double c = dot / cols;
     for (long j = 0; j < cols; ++j) {
       const double xh = x[r * cols + j] * rin[r];
-      dxref[r * cols + j] = (dy[r * cols + j] * wv[j] - xh * c) * rin[r];
-      gscale += std::pow(dy[r * cols + j] * wv[j] * rin[r], 2);
-      dwabs[j] += std::fabs(dy[r * cols + j] * xh);
-      dwref[j] += dy[r * cols + j] * xh;
+      dxref[r * cols + j] = (dy[r * cols + j] * scale(j) - xh * c) * rin[r];
+      gscale += std::pow(dy[r * cols + j] * scale(j) * rin[r], 2);
+      // dw sums dy times xhat as the weight multiply saw it.
+      const double xw = pre_weight(d, x[r * cols + j], rin[r], mode.round_first);
+      dwabs[j] += std::fabs(dy[r * cols + j] * xw);
+      dwref[j] += dy[r * cols + j] * xw;
     }
   }
 
   const bool vec = !offset && (cols * es) % 16 == 0;
   char label[160];
-  std::snprintf(label, sizeof label, "%s w=%s %ldx%ld%s", dt_name(d), wk_name(w), rows, cols,
-                offset ? " +1" : "");
+  std::snprintf(label, sizeof label, "%s w=%s %ldx%ld%s offset=%g%s", dt_name(d), wk_name(w),
+                rows, cols, offset ? " +1" : "", mode.offset,
+                mode.round_first ? " round_first" : "");
 
   // Forward, every config.
   for (const Config& c : configs(true, d, w, rows, cols, vec)) {
@@ -261,6 +316,8 @@ void run_case(DT d, WK w, long rows, long cols, bool offset) {
     p.vec = c.vec;
     p.eps = eps;
     p.inv_cols = 1.0 / cols;
+    p.offset = kernel_offset(mode);
+    p.round_first = mode.round_first;
     graft_emu::launch(reinterpret_cast<void (*)(graft::FwdParams)>(kernel(c.name)), c.grid,
                       c.block, c.smem, p);
     ++launches;
@@ -269,6 +326,13 @@ void run_case(DT d, WK w, long rows, long cols, bool offset) {
     for (long i = 0; i < rows; ++i) r[i] = load(acc, R.p + (off + i) * as);
     check(std::string(label) + " " + c.name + " y", d, y, yref);
     check(std::string(label) + " " + c.name + " rstd", acc, r, rref);
+    std::vector<double> yexact(n);
+    for (long i = 0; i < rows; ++i) {
+      for (long j = 0; j < cols; ++j) {
+        yexact[i * cols + j] = forward_exact(d, x[i * cols + j], r[i], has_w, wv[j], mode);
+      }
+    }
+    check_exact(std::string(label) + " " + c.name + " y replayed", y, yexact);
   }
 
   // Backward, every config with dx+dw; the first config also dx-only and dw-only.
@@ -299,6 +363,8 @@ void run_case(DT d, WK w, long rows, long cols, bool offset) {
       p.has_dw = want_dw;
       p.dw_smem = c.smem > 0 && c.name.find("_loop_") != std::string::npos;
       p.inv_cols = 1.0 / cols;
+      p.offset = kernel_offset(mode);
+      p.round_first = mode.round_first;
       graft_emu::launch(reinterpret_cast<void (*)(graft::BwdParams)>(kernel(c.name)), c.grid,
                         c.block, c.smem, p);
       ++launches;
@@ -349,6 +415,19 @@ int main(int argc, char** argv) {
   // Rows longer than any rows kernel covers: the loop kernels alone.
   for (DT d : dts) run_case(d, WK::Same, 2, 70000, false);
   run_case(DT::BF16, WK::Acc, 2, 70001, true);
+  // The weight modes of torchgraft::rms_norm: Gemma's offset 1, Llama's rounding first, both.
+  // round_first with a wider (acc) weight under 16-bit inputs is refused by the launcher.
+  const Mode modes[] = {{1.0, false}, {0.0, true}, {1.0, true}};
+  for (const Mode& m : modes)
+    for (DT d : dts)
+      for (WK w : {WK::Same, WK::Acc})
+        for (long cols : {7L, 1000L})
+          for (bool offset : {false, true})
+            if (!(m.round_first && w == WK::Acc && dt_size(d) == 2))
+              run_case(d, w, 5, cols, offset, m);
+  run_case(DT::BF16, WK::Same, 2, 70001, false, {1.0, true});
+  run_case(DT::BF16, WK::Acc, 2, 70001, true, {1.0, false});
+  run_case(DT::F16, WK::Same, 1, 4096, false, {0.0, true});
   std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
   return failures ? 1 : 0;
 }

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use graft_cuda::tools::{self, DeviceBuffer, Event, Stream};
 use graft_cuda::{
-    CudaError, DType, ErrorKind, Plan, RmsNormBackward, RmsNormForward, Tuning, Weight,
+    CudaError, DType, ErrorKind, Plan, RmsNormBackward, RmsNormForward, Tuning, Weight, WeightMode,
 };
 use half::{bf16, f16};
 
@@ -511,6 +511,7 @@ impl Sweep {
             rows: c.rows,
             cols: c.cols,
             eps: self.eps,
+            mode: WeightMode::default(),
         };
         let reference = forward_ref(&x, w.as_deref(), c.rows, c.cols, self.eps);
         match graft_cuda::rms_norm_forward_with(&fwd, &c.fwd_tuning) {
@@ -560,6 +561,7 @@ impl Sweep {
                 workspace_bytes: ws_need.min(b.ws.len()),
                 rows: c.rows,
                 cols: c.cols,
+                mode: WeightMode::default(),
             };
             let mut first: Option<(Vec<f64>, Vec<f64>)> = None;
             for run in 0..2 {
@@ -718,6 +720,7 @@ fn special_values_case(s: &mut Sweep, dtype: DType, cols: usize) -> Result<(), C
         rows,
         cols,
         eps: s.eps,
+        mode: WeightMode::default(),
     };
     let label = format!("{} nan/inf {}x{}", dtype_name(dtype), rows, cols);
     let reference = forward_ref(&x, Some(&w), rows, cols, s.eps);
@@ -756,6 +759,7 @@ fn workspace_check(s: &mut Sweep) -> Result<(), CudaError> {
         workspace_bytes: 1024,
         rows,
         cols,
+        mode: WeightMode::default(),
     };
     s.checks += 1;
     let plan = graft_cuda::plan_backward(&a, &Tuning::default())?;
@@ -970,6 +974,7 @@ fn timings(
             rows,
             cols,
             eps: 1e-6,
+            mode: WeightMode::default(),
         };
         let bwd = |i: usize, dw: bool| RmsNormBackward {
             device: dev,
@@ -985,6 +990,7 @@ fn timings(
             workspace_bytes: ts.ws.len(),
             rows,
             cols,
+            mode: WeightMode::default(),
         };
         // rstd for the backward comes from a forward of each set.
         for i in 0..SETS {

@@ -8,6 +8,12 @@
 //             dw = sum over rows of dy * xhat
 // A is float for float/half/bfloat16 and double for double.
 //
+// Two run-time parameters give the variants models write by hand (torchgraft::rms_norm):
+// the weight applied is `w + offset` in A (Gemma: offset 1; PyTorch's own op passes -0.0,
+// which adds exactly nothing, -0 included), and with `round_first` xhat is rounded to T before
+// the weight multiply (Llama: `w * xhat.to(dtype)`), in the forward and in dw (dy * round(xhat)),
+// the derivative of the rounding taken as 1 as autograd does for `.to()`.
+//
 // Layout: x, y, dy, dx are contiguous rows x cols of T; rstd is rows of A; the weight is
 // cols of WT (T, or A for a weight in the accumulation dtype).
 //
@@ -51,6 +57,8 @@ struct FwdParams {
   long long vec;  // 1: 16-byte vector accesses
   double eps;
   double inv_cols;
+  double offset;          // added to the weight (-0.0: none)
+  long long round_first;  // 1: round xhat to T before the weight multiply
 };
 
 struct BwdParams {
@@ -69,6 +77,8 @@ struct BwdParams {
   long long has_dw;
   long long dw_smem;  // loop kernels: accumulate the partial row in shared memory
   double inv_cols;
+  double offset;          // added to the weight (-0.0: none)
+  long long round_first;  // 1: dw sums dy * round(xhat)
 };
 
 struct FinalizeParams {
@@ -129,6 +139,7 @@ struct Conv<float> {
   static __device__ __forceinline__ Raw extract(const unsigned* u, int e) { return u[e]; }
   static __device__ __forceinline__ float from_raw(Raw r) { return __uint_as_float(r); }
   static __device__ __forceinline__ Raw to_raw(float v) { return __float_as_uint(v); }
+  static __device__ __forceinline__ float round(float v) { return v; }
 };
 
 template <>
@@ -152,6 +163,7 @@ struct Conv<double> {
     return __longlong_as_double((long long)r);
   }
   static __device__ __forceinline__ Raw to_raw(double v) { return Raw(__double_as_longlong(v)); }
+  static __device__ __forceinline__ double round(double v) { return v; }
 };
 
 template <>
@@ -177,6 +189,10 @@ struct Conv<__nv_bfloat16> {
   static __device__ __forceinline__ Raw to_raw(float v) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
   }
+  // v rounded to bfloat16 and widened back.
+  static __device__ __forceinline__ float round(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+  }
 };
 
 template <>
@@ -199,6 +215,10 @@ struct Conv<__half> {
   static __device__ __forceinline__ float from_raw(Raw r) { return __half2float(__ushort_as_half(r)); }
   static __device__ __forceinline__ Raw to_raw(float v) {
     return __half_as_ushort(__float2half_rn(v));
+  }
+  // v rounded to half and widened back.
+  static __device__ __forceinline__ float round(float v) {
+    return __half2float(__float2half_rn(v));
   }
 };
 
@@ -232,6 +252,41 @@ struct alignas(16) Arr {
     for (int i = 0; i < WORDS; ++i) asm volatile("" : "+r"(u[i]));
   }
 };
+
+// Whether round_first can change a result: 16-bit inputs with a weight of their own dtype.
+// float32 and float64 round to themselves; for a wider weight (kind `acc`) the llama product
+// would be wider than T, which these kernels do not write: the launcher refuses round_first.
+template <typename T, typename WT>
+constexpr bool ROUNDS = SameType<WT, T>::value && sizeof(T) == 2;
+
+// x <- (x * r) * (w + off) rounded to T (without HAS_W: x * r).
+//
+// Where ROUNDS, the forward calls this twice: pass 1 without the weight, r1 = r with
+// round_first (xhat rounded to T in place) else 1 (x * 1 is x: exact), then pass 2 with the
+// weight and r2 = 1 or r. Branch-free on purpose: a select between rounded and unrounded
+// values, or the rounding pass behind a branch, makes ptxas keep more values live (up to 1.5x
+// the registers at 4 and 16 units per thread); the extra pass costs a few ALU operations per
+// element of a memory-bound kernel.
+template <bool HAS_W, typename T, typename WL, int N>
+__device__ __forceinline__ void scale_unit(Arr<T, N>& x, const Arr<WL, N>& w,
+                                           typename AccOf<T>::type r,
+                                           typename AccOf<T>::type off) {
+  using A = typename AccOf<T>::type;
+  A o[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    o[e] = x.get(e) * r;
+    if constexpr (HAS_W) o[e] *= A(w.get(e)) + off;
+  }
+  x.put(o);
+}
+
+// xhat as the weight multiply sees it: rounded to T with round_first, else as is.
+template <typename T>
+__device__ __forceinline__ typename AccOf<T>::type pre_weight(typename AccOf<T>::type xhat,
+                                                             bool round_first) {
+  return round_first ? Conv<T>::round(xhat) : xhat;
+}
 
 // 16-byte loads through the read-only path, and 16-byte stores.
 template <typename E, int N>
@@ -340,19 +395,20 @@ __device__ __forceinline__ typename AccOf<E>::type unit_sumsq(const Arr<E, N>& a
   return s0 + s1;
 }
 
-// sum over the unit of (g * w) * (x * r), w absent when WE is NoWeight.
+// sum over the unit of (g * (w + off)) * (x * r), w absent when WE is NoWeight.
 template <typename E, typename WE, int N>
 __device__ __forceinline__ typename AccOf<E>::type unit_dot(const Arr<E, N>& g,
                                                             const Arr<WE, N>& w,
                                                             const Arr<E, N>& x,
                                                             typename AccOf<E>::type r,
+                                                            typename AccOf<E>::type off,
                                                             bool has_w) {
   using A = typename AccOf<E>::type;
   A s[2] = {A(0), A(0)};
 #pragma unroll
   for (int e = 0; e < N; ++e) {
     A gv = g.get(e);
-    if (has_w) gv *= A(w.get(e));
+    if (has_w) gv *= A(w.get(e)) + off;
     s[e & 1] = fma(gv, x.get(e) * r, s[e & 1]);
   }
   return s[0] + s[1];
@@ -397,6 +453,8 @@ __device__ __forceinline__ void fwd_rows(const FwdParams& p) {
   const int t = threadIdx.x - g * tpr;
   const A eps = A(p.eps);
   const A inv_cols = A(p.inv_cols);
+  const A off = A(p.offset);
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const WL* __restrict__ w = static_cast<const WL*>(p.w);
   T* __restrict__ y = static_cast<T*>(p.y);
@@ -422,16 +480,27 @@ __device__ __forceinline__ void fwd_rows(const FwdParams& p) {
     if (ok) {
       if (t == 0) rstd[row] = r;
       Arr<WL, VE> wr[V];
-      if constexpr (HAS_W) load_row(wr, w, cols, tpr, t, vec, true);
+      const A r2 = round_first ? A(1) : r;
+      if constexpr (ROUNDS<T, WT>) {
+        // Pass 1: xhat rounded to T in place, or x * 1 (exact: x itself).
+        const A r1 = round_first ? r : A(1);
+#pragma unroll
+        for (int k = 0; k < V; ++k) scale_unit<false>(xr[k], wr[k], r1, off);
+      }
+      // Pass 2, loading each weight unit where it is used (loaded up front, a float32 weight
+      // at 8 units per thread spills).
+      const int nunits = (cols + VE - 1) / VE;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        A o[VE];
-#pragma unroll
-        for (int e = 0; e < VE; ++e) {
-          o[e] = xr[k].get(e) * r;
-          if constexpr (HAS_W) o[e] *= wr[k].get(e);
+        if constexpr (HAS_W) {
+          const int j = k * tpr + t;
+          if (j < nunits) {
+            load_unit(wr[k], w, j, cols, vec);
+          } else {
+            wr[k].zero();
+          }
         }
-        xr[k].put(o);
+        scale_unit<HAS_W>(xr[k], wr[k], r2, off);
       }
       store_row(y + base, xr, cols, tpr, t, vec);
     }
@@ -457,6 +526,8 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
   const int g = threadIdx.x / tpr;
   const int t = threadIdx.x - g * tpr;
   const A inv_cols = A(p.inv_cols);
+  const A off = A(p.offset);
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const A* __restrict__ rstd = static_cast<const A*>(p.rstd);
@@ -486,7 +557,7 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
       if constexpr (HAS_W) load_row(wr, w, cols, tpr, t, vec, true);
       A dot = A(0);
 #pragma unroll
-      for (int k = 0; k < V; ++k) dot += unit_dot(gr[k], wr[k], xr[k], r, HAS_W);
+      for (int k = 0; k < V; ++k) dot += unit_dot(gr[k], wr[k], xr[k], r, off, HAS_W);
       dot = group_sum(dot, tpr, red[parity]);
       parity ^= 1;
       const A c = dot * inv_cols;
@@ -501,7 +572,7 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
 #pragma unroll
           for (int e = 0; e < VE; ++e) {
             A gv = gr[k].get(e);
-            if constexpr (HAS_W) gv *= wr[k].get(e);
+            if constexpr (HAS_W) gv *= A(wr[k].get(e)) + off;
             o[e] = (gv - (xr[k].get(e) * r) * c) * r;
           }
           dr[k].put(o);
@@ -514,7 +585,8 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p) {
       for (int k = 0; k < V; ++k) {
 #pragma unroll
         for (int e = 0; e < VE; ++e) {
-          dwacc[k][e] = fma(gr[k].get(e), xr[k].get(e) * r, dwacc[k][e]);
+          const A xw = pre_weight<T>(xr[k].get(e) * r, round_first);
+          dwacc[k][e] = fma(gr[k].get(e), xw, dwacc[k][e]);
         }
       }
     }
@@ -585,6 +657,8 @@ __device__ __forceinline__ void fwd_loop(const FwdParams& p) {
   const bool vec = p.vec != 0;
   const A eps = A(p.eps);
   const A inv_cols = A(p.inv_cols);
+  const A off = A(p.offset);
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const WL* __restrict__ w = static_cast<const WL*>(p.w);
   T* __restrict__ y = static_cast<T*>(p.y);
@@ -618,18 +692,15 @@ __device__ __forceinline__ void fwd_loop(const FwdParams& p) {
 
     for (long long j = t; j < nunits; j += nt) {
       Arr<T, VE> xv;
+      Arr<WL, VE> wv;
       load_unit(xv, xrow, j, cols, vec);
-      A o[VE];
-      if constexpr (HAS_W) {
-        Arr<WL, VE> wv;
-        load_unit(wv, w, j, cols, vec);
-#pragma unroll
-        for (int e = 0; e < VE; ++e) o[e] = (xv.get(e) * r) * wv.get(e);
-      } else {
-#pragma unroll
-        for (int e = 0; e < VE; ++e) o[e] = xv.get(e) * r;
+      A r2 = r;
+      if constexpr (ROUNDS<T, WT>) {
+        scale_unit<false>(xv, wv, round_first ? r : A(1), off);  // as in fwd_rows
+        r2 = round_first ? A(1) : r;
       }
-      xv.put(o);
+      if constexpr (HAS_W) load_unit(wv, w, j, cols, vec);
+      scale_unit<HAS_W>(xv, wv, r2, off);
       store_unit(yrow, xv, j, cols, vec);
     }
   }
@@ -653,6 +724,8 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
   const bool has_dx = p.has_dx != 0;
   const bool has_dw = HAS_W && p.has_dw != 0;
   const A inv_cols = A(p.inv_cols);
+  const A off = A(p.offset);
+  const bool round_first = ROUNDS<T, WT> && p.round_first != 0;
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const A* __restrict__ rstd = static_cast<const A*>(p.rstd);
@@ -698,7 +771,7 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
         }
         A it = A(0);
 #pragma unroll
-        for (int u = 0; u < U; ++u) it += unit_dot(gr[u], wr[u], xr[u], r, HAS_W);
+        for (int u = 0; u < U; ++u) it += unit_dot(gr[u], wr[u], xr[u], r, off, HAS_W);
         dot += it;
       }
       dot = group_sum(dot, nt, red[parity]);
@@ -717,7 +790,7 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
 #pragma unroll
         for (int e = 0; e < VE; ++e) {
           A gg = gv.get(e);
-          if constexpr (HAS_W) gg *= wv.get(e);
+          if constexpr (HAS_W) gg *= A(wv.get(e)) + off;
           o[e] = (gg - (xv.get(e) * r) * c) * r;
         }
         Arr<T, VE> dv;
@@ -728,7 +801,8 @@ __device__ __forceinline__ void bwd_loop(const BwdParams& p) {
 #pragma unroll
         for (int e = 0; e < VE; ++e) {
           if (j * VE + e < cols) {
-            part[j * VE + e] = fma(gv.get(e), xv.get(e) * r, part[j * VE + e]);
+            const A xw = pre_weight<T>(xv.get(e) * r, round_first);
+            part[j * VE + e] = fma(gv.get(e), xw, part[j * VE + e]);
           }
         }
       }

@@ -14,7 +14,8 @@
 //! `rstd = 1 / sqrt(mean(x^2) + eps)` in the accumulation type (f32, or f64 for F64),
 //! `y = (x * rstd) * w` rounded to the dtype; backward `xhat = x * rstd`, `g = dy * w`,
 //! `dx = rstd * (g - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`, reduced
-//! in a fixed order (the same bits on every run).
+//! in a fixed order (the same bits on every run). [`WeightMode`] gives the variants models
+//! write by hand (torchgraft::rms_norm): a weight offset and rounding before the weight.
 
 #![warn(missing_docs)]
 
@@ -135,6 +136,33 @@ impl Weight {
     }
 }
 
+/// How the weight scales the normalized value `xhat = x * rstd`. The default is PyTorch's
+/// `_fused_rms_norm`: `y = xhat * w` in the accumulation dtype, rounded once.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WeightMode {
+    /// Added to the weight in the accumulation dtype: the kernels scale by `offset + w`
+    /// (Gemma's `1 + weight`). Without a weight it is not used.
+    pub offset: f64,
+    /// Round `xhat` to the input dtype before the weight multiply, as Llama's
+    /// `weight * xhat.to(dtype)` does; the backward's dw then sums `dy * round(xhat)` (the
+    /// rounding's derivative taken as 1, as autograd does for `.to()`). For float16 and
+    /// bfloat16 inputs it needs a weight of their dtype ([`Weight::Same`]): with a wider one
+    /// the model's product is wider than the input, which these kernels do not write.
+    pub round_first: bool,
+}
+
+impl WeightMode {
+    /// The offset as the kernels add it: 0 becomes -0.0, which adds exactly nothing
+    /// (`w + -0.0 == w` for every `w`, -0 included; `-0.0 + 0.0` would be `+0.0`).
+    pub(crate) fn kernel_offset(self) -> f64 {
+        if self.offset == 0.0 {
+            -0.0
+        } else {
+            self.offset
+        }
+    }
+}
+
 /// Arguments of [`rms_norm_forward`]. Pointers are device addresses in `device`'s primary
 /// context; every tensor is contiguous.
 #[derive(Clone, Copy, Debug)]
@@ -159,6 +187,8 @@ pub struct RmsNormForward {
     pub cols: usize,
     /// Added to the mean square before the reciprocal square root.
     pub eps: f64,
+    /// How the weight applies (default: PyTorch's `_fused_rms_norm`).
+    pub mode: WeightMode,
 }
 
 /// Arguments of [`rms_norm_backward`]. Pointers are device addresses in `device`'s primary
@@ -194,4 +224,6 @@ pub struct RmsNormBackward {
     pub rows: usize,
     /// Columns (>= 1).
     pub cols: usize,
+    /// How the forward applied the weight (default: PyTorch's `_fused_rms_norm`).
+    pub mode: WeightMode,
 }

@@ -18,6 +18,8 @@ pub(crate) struct FwdParams {
     pub vec: i64,
     pub eps: f64,
     pub inv_cols: f64,
+    pub offset: f64,
+    pub round_first: i64,
 }
 
 /// `graft::BwdParams`.
@@ -39,6 +41,8 @@ pub(crate) struct BwdParams {
     pub has_dw: i64,
     pub dw_smem: i64,
     pub inv_cols: f64,
+    pub offset: f64,
+    pub round_first: i64,
 }
 
 /// `graft::FinalizeParams`.
@@ -62,9 +66,9 @@ mod tests {
 
     #[test]
     fn sizes_match_the_cuda_structs() {
-        // 11, 15 and 4 eight-byte fields (kernels/rms_norm.cu).
-        assert_eq!(std::mem::size_of::<FwdParams>(), 88);
-        assert_eq!(std::mem::size_of::<BwdParams>(), 120);
+        // 13, 17 and 4 eight-byte fields (kernels/rms_norm.cu).
+        assert_eq!(std::mem::size_of::<FwdParams>(), 104);
+        assert_eq!(std::mem::size_of::<BwdParams>(), 136);
         assert_eq!(std::mem::size_of::<FinalizeParams>(), 32);
     }
 }

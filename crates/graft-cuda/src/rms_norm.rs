@@ -10,7 +10,7 @@ use crate::error::CudaError;
 use crate::kernels::{self, Body, Dir, WeightKind, FINALIZE_THREADS, LOOP_THREADS};
 use crate::launch::launch;
 use crate::params::{BwdParams, FinalizeParams, FwdParams};
-use crate::{DType, RmsNormBackward, RmsNormForward, Weight};
+use crate::{DType, RmsNormBackward, RmsNormForward, Weight, WeightMode};
 
 /// Forward rows kernels: preferred 16-byte units per thread (128 bytes of `x` in flight).
 const FWD_PREF_V: u32 = 8;
@@ -151,12 +151,26 @@ fn check_weight(w: Weight, dtype: DType) -> Result<(), CudaError> {
     }
 }
 
+/// round_first rounds to the input dtype before the weight multiply; with a weight wider than
+/// a 16-bit input the model's product is wider than the input, which these kernels do not
+/// write (float32 and float64 inputs round to themselves: any weight).
+fn check_mode(mode: WeightMode, w: Weight, dtype: DType) -> Result<(), CudaError> {
+    if mode.round_first && matches!(w, Weight::Acc(_)) && dtype.acc() != dtype {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: round_first needs a weight of the input dtype ({dtype:?}), got one of \
+             the accumulation dtype"
+        )));
+    }
+    Ok(())
+}
+
 fn validate_forward(a: &RmsNormForward) -> Result<(), CudaError> {
     check_shape(a.rows, a.cols, a.dtype)?;
     check_ptr("x", a.x, a.dtype.size())?;
     check_ptr("y", a.y, a.dtype.size())?;
     check_ptr("rstd", a.rstd, a.dtype.acc().size())?;
-    check_weight(a.weight, a.dtype)
+    check_weight(a.weight, a.dtype)?;
+    check_mode(a.mode, a.weight, a.dtype)
 }
 
 fn validate_backward(a: &RmsNormBackward) -> Result<(), CudaError> {
@@ -165,6 +179,7 @@ fn validate_backward(a: &RmsNormBackward) -> Result<(), CudaError> {
     check_ptr("x", a.x, a.dtype.size())?;
     check_ptr("rstd", a.rstd, a.dtype.acc().size())?;
     check_weight(a.weight, a.dtype)?;
+    check_mode(a.mode, a.weight, a.dtype)?;
     if let Some(dx) = a.dx {
         check_ptr("dx", dx, a.dtype.size())?;
     }
@@ -407,6 +422,8 @@ pub fn rms_norm_forward_with(a: &RmsNormForward, t: &Tuning) -> Result<(), CudaE
         vec: i64::from(pl.vec),
         eps: a.eps,
         inv_cols: 1.0 / a.cols as f64,
+        offset: a.mode.kernel_offset(),
+        round_first: i64::from(a.mode.round_first),
     };
     let _ctx = ContextGuard::enter(api, st.ctx)?;
     launch(
@@ -458,6 +475,8 @@ pub fn rms_norm_backward_with(a: &RmsNormBackward, t: &Tuning) -> Result<(), Cud
         has_dw: i64::from(a.dw.is_some()),
         dw_smem: i64::from(pl.dw_in_smem),
         inv_cols: 1.0 / a.cols as f64,
+        offset: a.mode.kernel_offset(),
+        round_first: i64::from(a.mode.round_first),
     };
     let _ctx = ContextGuard::enter(api, st.ctx)?;
     launch(
@@ -654,6 +673,7 @@ mod tests {
             rows: 4,
             cols: 64,
             eps: 1e-6,
+            mode: WeightMode::default(),
         }
     }
 
@@ -672,6 +692,7 @@ mod tests {
             workspace_bytes: 1 << 20,
             rows: 4,
             cols: 64,
+            mode: WeightMode::default(),
         }
     }
 
@@ -711,6 +732,17 @@ mod tests {
         let mut a = fwd_args();
         a.rows = usize::MAX / 2;
         assert_invalid(validate_forward(&a), "too large");
+        // round_first: a weight of the input dtype, or any weight for float32 / float64 inputs.
+        let mut a = fwd_args();
+        a.mode.round_first = true;
+        assert!(validate_forward(&a).is_ok());
+        a.weight = Weight::Acc(0x2000);
+        assert_invalid(
+            validate_forward(&a),
+            "round_first needs a weight of the input dtype",
+        );
+        a.dtype = DType::F32;
+        assert!(validate_forward(&a).is_ok());
         // The public entry points reject before touching the driver.
         let mut a = fwd_args();
         a.rows = 0;
@@ -746,5 +778,10 @@ mod tests {
         let mut a = bwd_args();
         a.cols = 0;
         assert_invalid(rms_norm_backward(&a), "cols >= 1");
+        let mut a = bwd_args();
+        a.mode.round_first = true;
+        assert!(validate_backward(&a).is_ok()); // f32 with an f32 weight
+        a.dtype = DType::BF16;
+        assert_invalid(validate_backward(&a), "round_first");
     }
 }

@@ -1,7 +1,7 @@
 //! Checks that need no GPU: the embedded fatbin and what happens without a driver.
 
 use graft_cuda::fatbin::{self, EntryKind};
-use graft_cuda::{DType, ErrorKind, RmsNormBackward, RmsNormForward, Weight};
+use graft_cuda::{DType, ErrorKind, RmsNormBackward, RmsNormForward, Weight, WeightMode};
 
 /// True when the build was given `NVCC` (then the kernels must be there).
 fn nvcc_requested() -> bool {
@@ -108,6 +108,7 @@ fn without_a_driver_calls_fail_cleanly() {
         rows: 8,
         cols: 4096,
         eps: 1e-6,
+        mode: WeightMode::default(),
     };
     let e = graft_cuda::rms_norm_forward(&f).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::DriverUnavailable);
@@ -125,6 +126,7 @@ fn without_a_driver_calls_fail_cleanly() {
         workspace_bytes: 1 << 20,
         rows: 8,
         cols: 4096,
+        mode: WeightMode::default(),
     };
     let e = graft_cuda::rms_norm_backward(&b).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::DriverUnavailable);

@@ -1,5 +1,6 @@
 //! RMSNorm over the last dimension of a contiguous row-major `rows x cols` buffer, with the
-//! semantics of PyTorch's `_fused_rms_norm` / `_fused_rms_norm_backward` reference composite.
+//! semantics of PyTorch's `_fused_rms_norm` / `_fused_rms_norm_backward` reference composite,
+//! and the variants models write by hand ([`WeightMode`], for torchgraft::rms_norm).
 
 use crate::blocks;
 use crate::dispatch::kernels;
@@ -13,6 +14,29 @@ const FORWARD_BLOCK_ELEMS: usize = 1 << 14;
 const BACKWARD_MAX_BLOCKS: usize = 32;
 /// Backward work per block at least, in elements.
 const BACKWARD_MIN_BLOCK_ELEMS: usize = 1 << 14;
+
+/// How the weight scales the normalized value `xhat = x * rstd`. The default is PyTorch's
+/// `_fused_rms_norm`: `y = xhat * weight` in `T::Acc`, rounded once.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WeightMode<A> {
+    /// Added to the weight in `T::Acc`: rows are scaled by `offset + weight` (Gemma's
+    /// `1 + weight`). Unused without a weight.
+    pub offset: A,
+    /// Round `xhat` to `T` before the weight multiply, as Llama's `weight * xhat.to(dtype)`; the
+    /// backward's dw then sums `dy * round(xhat)` (the rounding's derivative taken as 1, as
+    /// autograd does for `.to()`).
+    pub round_first: bool,
+}
+
+/// `offset + weight` (`weight` itself for a zero offset, so that -0 stays -0), or ones without a
+/// weight (multiplying by one is exact).
+fn scale_of<A: Acc>(weight: Option<&[A]>, offset: A, cols: usize) -> std::borrow::Cow<'_, [A]> {
+    match weight {
+        Some(w) if offset != A::ZERO => w.iter().map(|&w| w + offset).collect(),
+        Some(w) => w.into(),
+        None => vec![A::ONE; cols].into(),
+    }
+}
 
 /// y = (x * rstd) * weight per row, rstd = 1 / sqrt(mean(x^2) + eps), all in T::Acc.
 /// x, y: rows*cols; rstd: rows; weight: cols.
@@ -28,6 +52,36 @@ pub fn forward<T: Float>(
     cols: usize,
     weight: Option<&[T::Acc]>,
     eps: T::Acc,
+    y: &mut [T],
+    rstd: &mut [T::Acc],
+    par: &dyn Parallel,
+) {
+    forward_with(
+        x,
+        rows,
+        cols,
+        weight,
+        eps,
+        WeightMode::default(),
+        y,
+        rstd,
+        par,
+    );
+}
+
+/// [`forward`] with the weight applied as `mode` says: `y = pre(xhat) * (offset + weight)`,
+/// `pre` rounding to `T` with `mode.round_first`.
+///
+/// # Panics
+/// If a slice's length does not match `rows`/`cols`.
+#[allow(clippy::too_many_arguments)] // the signature the callers code against
+pub fn forward_with<T: Float>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    weight: Option<&[T::Acc]>,
+    eps: T::Acc,
+    mode: WeightMode<T::Acc>,
     y: &mut [T],
     rstd: &mut [T::Acc],
     par: &dyn Parallel,
@@ -48,14 +102,9 @@ pub fn forward<T: Float>(
         return;
     }
 
-    let ones;
-    let weight = match weight {
-        Some(weight) => weight,
-        None => {
-            ones = vec![T::Acc::ONE; cols];
-            &ones[..]
-        }
-    };
+    // Without a weight, rounding first changes nothing: y is rounded once either way.
+    let round_first = mode.round_first && weight.is_some();
+    let weight = &*scale_of(weight, mode.offset, cols);
     let kernels = kernels::<T>();
     let block_rows = (FORWARD_BLOCK_ELEMS / cols).max(1);
     let block_elems = block_rows * cols;
@@ -72,6 +121,7 @@ pub fn forward<T: Float>(
             cols,
             weight,
             eps,
+            round_first,
         });
     });
 }
@@ -92,6 +142,28 @@ pub fn backward<T: Float>(
     rows: usize,
     cols: usize,
     weight: Option<&[T::Acc]>,
+    dx: Option<&mut [T]>,
+    dw: Option<&mut [T::Acc]>,
+    par: &dyn Parallel,
+) {
+    let mode = WeightMode::default();
+    backward_with(dy, x, rstd, rows, cols, weight, mode, dx, dw, par);
+}
+
+/// [`backward`] of [`forward_with`]: `g = dy * (offset + weight)`, and dw sums
+/// `dy * round(xhat)` with `mode.round_first` (the gradient of `offset + weight` is dw's).
+///
+/// # Panics
+/// If a slice's length does not match `rows`/`cols`.
+#[allow(clippy::too_many_arguments)] // the signature the callers code against
+pub fn backward_with<T: Float>(
+    dy: &[T],
+    x: &[T],
+    rstd: &[T::Acc],
+    rows: usize,
+    cols: usize,
+    weight: Option<&[T::Acc]>,
+    mode: WeightMode<T::Acc>,
     dx: Option<&mut [T]>,
     dw: Option<&mut [T::Acc]>,
     par: &dyn Parallel,
@@ -117,14 +189,8 @@ pub fn backward<T: Float>(
         return;
     }
 
-    let ones;
-    let weight = match weight {
-        Some(weight) => weight,
-        None => {
-            ones = vec![T::Acc::ONE; cols];
-            &ones[..]
-        }
-    };
+    let round_first = mode.round_first && weight.is_some();
+    let weight = &*scale_of(weight, mode.offset, cols);
     let kernels = kernels::<T>();
     let block_rows = rows
         .div_ceil(BACKWARD_MAX_BLOCKS)
@@ -157,6 +223,7 @@ pub fn backward<T: Float>(
             weight,
             dx,
             dw,
+            round_first,
         });
     });
 

@@ -25,6 +25,8 @@ pub(crate) struct ForwardRows<'a, T: Float> {
     pub weight: &'a [T::Acc],
     /// Added to the mean square.
     pub eps: T::Acc,
+    /// Round `x * rstd` to `T` before the weight multiply (Llama's `w * xhat.to(dtype)`).
+    pub round_first: bool,
 }
 
 /// One block of whole rows for the backward kernel.
@@ -43,6 +45,9 @@ pub(crate) struct BackwardRows<'a, T: Float> {
     pub dx: Option<&'a mut [T]>,
     /// This block's partial weight gradient (`cols` values, accumulated into), when wanted.
     pub dw: Option<&'a mut [T::Acc]>,
+    /// The forward rounded `x * rstd` to `T` before the weight multiply: dw sums
+    /// `dy * round(xhat)` (dx is unchanged: the rounding's derivative is taken as 1).
+    pub round_first: bool,
 }
 
 /// Row `i` of the `cols`-long rows of `data`, and the row to prefetch while working on it: the
@@ -53,7 +58,8 @@ fn row_and_next<T>(data: &[T], cols: usize, i: usize) -> (&[T], &[T]) {
     (row, data.get((i + 1) * cols..(i + 2) * cols).unwrap_or(row))
 }
 
-/// `y = (x * rstd) * weight` per row, with `rstd = 1 / sqrt(mean(x^2) + eps)`.
+/// `y = (x * rstd) * weight` per row, with `rstd = 1 / sqrt(mean(x^2) + eps)` (`x * rstd`
+/// rounded to `T` first with `round_first`).
 #[inline(always)]
 pub(crate) fn forward<S, T>(s: S, rows: ForwardRows<'_, T>)
 where
@@ -68,13 +74,32 @@ where
         cols,
         weight,
         eps,
+        round_first,
     } = rows;
     let n = T::Acc::from_usize(cols);
     for (i, (y, rstd)) in y.chunks_exact_mut(cols).zip(rstd).enumerate() {
         let (x, next) = row_and_next(x, cols, i);
         let r = T::Acc::ONE / (sum_squares(s, x) / n + eps).sqrt();
         *rstd = r;
-        scale(s, x, r, weight, y, next);
+        if round_first {
+            scale::<S, T, true>(s, x, r, weight, y, next);
+        } else {
+            scale::<S, T, false>(s, x, r, weight, y, next);
+        }
+    }
+}
+
+/// `xhat` as the weight multiply sees it: rounded to `T` if `ROUND`.
+#[inline(always)]
+fn pre_weight<S, T, const ROUND: bool>(s: S, xhat: S::V) -> S::V
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+{
+    if ROUND {
+        T::round(s, xhat)
+    } else {
+        xhat
     }
 }
 
@@ -108,9 +133,10 @@ where
     s.sum(s.add(s.add(acc[0], acc[1]), s.add(acc[2], acc[3])))
 }
 
-/// `y = (x * r) * w` for one row, prefetching `next` (as long as `x`).
+/// `y = (x * r) * w` for one row (`x * r` rounded to `T` first if `ROUND`), prefetching `next`
+/// (as long as `x`).
 #[inline(always)]
-fn scale<S, T>(s: S, x: &[T], r: T::Acc, w: &[T::Acc], y: &mut [T], next: &[T])
+fn scale<S, T, const ROUND: bool>(s: S, x: &[T], r: T::Acc, w: &[T::Acc], y: &mut [T], next: &[T])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -125,17 +151,17 @@ where
     let outputs = y.chunks_exact_mut(lanes).zip(next.chunks_exact(lanes));
     for ((x, w), (y, next)) in inputs.zip(outputs) {
         s.prefetch(next);
-        let v = s.mul(s.mul(T::load(s, x), r), T::Acc::load(s, w));
-        T::store(s, v, y);
+        let xhat = pre_weight::<S, T, ROUND>(s, s.mul(T::load(s, x), r));
+        T::store(s, s.mul(xhat, T::Acc::load(s, w)), y);
     }
     if !x_tail.is_empty() {
-        let v = s.mul(s.mul(load_part(s, x_tail), r), load_part(s, w_tail));
-        store_part(s, v, y_tail);
+        let xhat = pre_weight::<S, T, ROUND>(s, s.mul(load_part(s, x_tail), r));
+        store_part(s, s.mul(xhat, load_part(s, w_tail)), y_tail);
     }
 }
 
 /// Per row: `xhat = x * rstd`, `g = dy * weight`, `dx = (g - xhat * mean(g * xhat)) * rstd`, and
-/// `dw += dy * xhat` into the block's partial.
+/// `dw += dy * xhat` (`xhat` rounded to `T` with `round_first`) into the block's partial.
 #[inline(always)]
 pub(crate) fn backward<S, T>(s: S, rows: BackwardRows<'_, T>)
 where
@@ -151,6 +177,7 @@ where
         weight,
         dx,
         dw,
+        round_first,
     } = rows;
     let n = T::Acc::from_usize(cols);
     match (dx, dw) {
@@ -159,27 +186,33 @@ where
             for (i, (dx, &r)) in dx.chunks_exact_mut(cols).zip(rstd).enumerate() {
                 let (dy, next_dy) = row_and_next(dy, cols, i);
                 let (x, next_x) = row_and_next(x, cols, i);
-                let mean = match dw.as_deref_mut() {
-                    Some(dw) => dot_and_dw::<S, T, true>(s, dy, x, r, weight, dw),
-                    None => dot_and_dw::<S, T, false>(s, dy, x, r, weight, &mut []),
+                let w = weight;
+                let mean = match (dw.as_deref_mut(), round_first) {
+                    (Some(dw), false) => dot_and_dw::<S, T, true, false>(s, dy, x, r, w, dw),
+                    (Some(dw), true) => dot_and_dw::<S, T, true, true>(s, dy, x, r, w, dw),
+                    (None, _) => dot_and_dw::<S, T, false, false>(s, dy, x, r, w, &mut []),
                 } / n;
                 input_grad(s, dy, x, r, weight, mean, dx, (next_dy, next_x));
             }
         }
         (None, Some(dw)) => {
             for (i, &r) in rstd.iter().enumerate() {
-                let x = &x[i * cols..(i + 1) * cols];
-                weight_grad(s, &dy[i * cols..(i + 1) * cols], x, r, dw);
+                let (dy, x) = (&dy[i * cols..(i + 1) * cols], &x[i * cols..(i + 1) * cols]);
+                if round_first {
+                    weight_grad::<S, T, true>(s, dy, x, r, dw);
+                } else {
+                    weight_grad::<S, T, false>(s, dy, x, r, dw);
+                }
             }
         }
         (None, None) => {}
     }
 }
 
-/// Backward pass 1 over one row: returns `sum(g * xhat)`, and adds `dy * xhat` to `dw` if `DW`
-/// (`dw` is empty otherwise).
+/// Backward pass 1 over one row: returns `sum(g * xhat)`, and adds `dy * xhat` (`xhat` rounded
+/// to `T` if `ROUND`) to `dw` if `DW` (`dw` is empty otherwise).
 #[inline(always)]
-fn dot_and_dw<S, T, const DW: bool>(
+fn dot_and_dw<S, T, const DW: bool, const ROUND: bool>(
     s: S,
     dy: &[T],
     x: &[T],
@@ -197,7 +230,7 @@ where
     let rv = s.splat(r);
     // The vector at `i`: returns `dot + g * xhat`, and adds `dy * xhat` to `dw`.
     #[inline(always)]
-    fn step<S, T, const DW: bool>(
+    fn step<S, T, const DW: bool, const ROUND: bool>(
         s: S,
         (dy, x, w): (&[T], &[T], &[T::Acc]),
         r: S::V,
@@ -211,7 +244,8 @@ where
     {
         let (dy, xhat) = (T::load(s, dy), s.mul(T::load(s, x), r));
         if DW {
-            T::Acc::store(s, s.mul_add(dy, xhat, T::Acc::load(s, dw)), dw);
+            let xw = pre_weight::<S, T, ROUND>(s, xhat);
+            T::Acc::store(s, s.mul_add(dy, xw, T::Acc::load(s, dw)), dw);
         }
         s.mul_add(s.mul(dy, T::Acc::load(s, w)), xhat, dot)
     }
@@ -222,9 +256,9 @@ where
         let inputs = (&dy[i..j], &x[i..j], &w[i..j]);
         let dw: &mut [T::Acc] = if DW { &mut dw[i..j] } else { &mut [] };
         if k % 2 == 0 {
-            dot0 = step::<S, T, DW>(s, inputs, rv, dw, dot0);
+            dot0 = step::<S, T, DW, ROUND>(s, inputs, rv, dw, dot0);
         } else {
-            dot1 = step::<S, T, DW>(s, inputs, rv, dw, dot1);
+            dot1 = step::<S, T, DW, ROUND>(s, inputs, rv, dw, dot1);
         }
     }
     if full < x.len() {
@@ -236,7 +270,8 @@ where
         let xhat = s.mul(x, rv);
         if DW {
             let dw = &mut dw[full..];
-            store_part(s, s.mul_add(dy, xhat, load_part(s, dw)), dw);
+            let xw = pre_weight::<S, T, ROUND>(s, xhat);
+            store_part(s, s.mul_add(dy, xw, load_part(s, dw)), dw);
         }
         dot1 = s.mul_add(s.mul(dy, w), xhat, dot1);
     }
@@ -303,9 +338,10 @@ fn input_grad<S, T>(
     }
 }
 
-/// The weight gradient alone, one pass over the row: `dw += dy * x * rstd`.
+/// The weight gradient alone, one pass over the row: `dw += dy * x * rstd` (`x * rstd` rounded
+/// to `T` first if `ROUND`).
 #[inline(always)]
-fn weight_grad<S, T>(s: S, dy: &[T], x: &[T], r: T::Acc, dw: &mut [T::Acc])
+fn weight_grad<S, T, const ROUND: bool>(s: S, dy: &[T], x: &[T], r: T::Acc, dw: &mut [T::Acc])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -319,11 +355,11 @@ where
     let (dw, dw_tail) = dw.split_at_mut(full);
     let inputs = dy.chunks_exact(lanes).zip(x.chunks_exact(lanes));
     for ((dy, x), dw) in inputs.zip(dw.chunks_exact_mut(lanes)) {
-        let xhat = s.mul(T::load(s, x), rv);
+        let xhat = pre_weight::<S, T, ROUND>(s, s.mul(T::load(s, x), rv));
         T::Acc::store(s, s.mul_add(T::load(s, dy), xhat, T::Acc::load(s, dw)), dw);
     }
     if !x_tail.is_empty() {
-        let xhat = s.mul(load_part(s, x_tail), rv);
+        let xhat = pre_weight::<S, T, ROUND>(s, s.mul(load_part(s, x_tail), rv));
         store_part(
             s,
             s.mul_add(load_part(s, dy_tail), xhat, load_part(s, dw_tail)),

@@ -28,6 +28,9 @@ class Variant:
     """The replacement: a ``forward(self, ...)`` for module slots, a plain function otherwise.
     It reads the module's attributes at call time, so ``.to()``, ``load_state_dict`` and
     parameter swaps keep working."""
+    fallback: bool = False
+    """Tried only when no other variant of the candidate agrees (e.g. a slower route kept for
+    the inputs a fused op does not serve the model's way)."""
 
 
 @dataclass

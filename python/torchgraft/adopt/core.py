@@ -156,14 +156,17 @@ def _already(model: nn.Module, c: Candidate) -> bool:
 
 def _choose(c: Candidate, ctx: Context) -> tuple[Variant | None, Verdict]:
     """The variant that agrees best with the layer; the variant the previous layer of the same
-    class took is tried first and kept if it agrees."""
+    class took is tried first and kept if it agrees. Fallback variants are tried only when no
+    other agrees."""
     assert c.own is not None and c.cases is not None and c.run is not None
     cases = c.cases()
     preferred = ctx.preferred.get(c.preference_key) if c.preference_key is not None else None
-    ordered = sorted(c.variants, key=lambda v: v.name != preferred)
+    ordered = sorted(c.variants, key=lambda v: (v.fallback, v.name != preferred))
     best: tuple[Variant, Verdict] | None = None
     closest: tuple[Variant, Verdict] | None = None
     for variant in ordered:
+        if variant.fallback and best is not None:
+            break
         verdict = compare(c.own, _callable(c, variant), cases, c.run)
         if verdict.ok:
             if variant.name == preferred:
@@ -176,7 +179,7 @@ def _choose(c: Candidate, ctx: Context) -> tuple[Variant | None, Verdict]:
         return best
     assert closest is not None
     variant, verdict = closest
-    names = ", ".join(v.name for v in c.variants)
+    names = ", ".join(dict.fromkeys(v.name for v in c.variants))  # fallbacks may share names
     why = (
         f"no variant matches ({names}); closest, {variant.name}: {verdict.reason}"
         if len(c.variants) > 1

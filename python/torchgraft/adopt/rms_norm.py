@@ -1,4 +1,6 @@
-"""RMSNorm layers, routed to ``F.rms_norm`` (``aten::_fused_rms_norm``, which torchgraft grafts).
+"""RMSNorm layers, routed to ``torchgraft.functional.rms_norm`` (``torchgraft::rms_norm``: one
+kernel forward, one backward, the model's own rounding), else to ``F.rms_norm``
+(``aten::_fused_rms_norm``, which torchgraft grafts).
 
 Models write RMSNorm by hand in a few ways that differ in where they round (transformers 5.x).
 With ``n = x.float() * rsqrt(mean(x.float()^2) + eps)``:
@@ -8,15 +10,18 @@ With ``n = x.float() * rsqrt(mean(x.float()^2) + eps)``:
 - gemma-style: ``(n * (1 + weight.float())).to(x.dtype)`` (Gemma, Gemma2/3, Qwen3.5);
 - unweighted: ``n.to(x.dtype)`` (NanoChat).
 
-``F.rms_norm(x, [H], None, eps)`` is exactly ``n.to(x.dtype)`` (fp32 accumulation, one rounding),
-so each variant keeps the model's own rounding: llama-style multiplies the weight afterwards, as
-the model does; the fp32 variants normalize and scale in fp32 and cast once at the end (the fused
-op does exactly that when the weight has the activation's dtype). With ``fuse_weight=True`` the
-weight always goes into the fused kernel: one kernel, one rounding fewer than the model. Which
-variant a layer computes is not assumed from its name: every candidate is probed (random input
-and weight, float32 and bfloat16, train and eval, forward and backward) and takes the variant
-that agrees best; a layer no variant matches is left alone. ``nn.RMSNorm`` already calls
-``F.rms_norm`` and is reported as native.
+``torchgraft.functional.rms_norm`` computes each of them in one kernel each way, rounding where
+the model rounds (``cast_before_weight`` for llama-style, ``offset=1`` for gemma-style). Where this
+build has no such op, or a layer's probe disagrees with it (a float64 Gemma norm computes in
+float32), the ``F.rms_norm`` routes serve as fallbacks: ``F.rms_norm(x, [H], None, eps)`` is
+exactly ``n.to(x.dtype)`` (fp32 accumulation, one rounding), so llama-style multiplies the
+weight afterwards, as the model does, and the fp32 variants normalize and scale in fp32 and
+cast once (two or three kernels). With ``fuse_weight=True`` those fallbacks put the weight into
+the fused kernel: one kernel, one rounding fewer than the model. Which variant a layer computes
+is not assumed from its name: every candidate is probed (random input and weight, float32 and
+bfloat16, train and eval, forward and backward) and takes the variant that agrees best; a layer
+no variant matches is left alone. ``nn.RMSNorm`` already calls ``F.rms_norm`` and is reported as
+native.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from torchgraft.adopt.probe import Case, random_tensor, swapped_parameters, trai
 from torchgraft.adopt.report import NATIVE, SKIPPED
 
 OP = "aten::_fused_rms_norm"
+FUSED_OP = "torchgraft::rms_norm"
+FUNCTIONAL_OP = "rms_norm"
+"""``torchgraft.functional.rms_norm``: looked up at each adopt call."""
 HUB_NAME = "RMSNorm"
 EPS_ATTRS = ("variance_epsilon", "eps")
 """Where models keep epsilon (transformers: ``variance_epsilon`` or ``eps``; torchtitan ``eps``)."""
@@ -107,8 +115,39 @@ FUSED: tuple[tuple[str, Formula], ...] = (
 )
 UNWEIGHTED: tuple[tuple[str, Formula], ...] = (("unweighted", _unweighted),)
 
+# The variants as torchgraft.functional.rms_norm computes them: (name, offset, cast_before_weight).
+WITH_OP: tuple[tuple[str, float, bool], ...] = (
+    ("llama-style", 0.0, True),
+    ("fp32-weight", 0.0, False),
+    ("gemma-style (1 + weight)", 1.0, False),
+)
 
-def _forward(name: str, formula: Formula, weighted: bool, eps_attr: str) -> Variant:
+
+def _op_formula(
+    op: Callable[..., torch.Tensor], offset: float, cast_before_weight: bool
+) -> Formula:
+    """A variant through ``op`` (``torchgraft.functional.rms_norm``)."""
+    if offset == 0.0 and not cast_before_weight:
+        return lambda x, w, eps: op(x, w, eps)
+    return lambda x, w, eps: op(x, w, eps, offset=offset, cast_before_weight=cast_before_weight)
+
+
+def _op_variants(
+    op: Callable[..., torch.Tensor], weighted: bool, eps_attr: str
+) -> tuple[Variant, ...]:
+    if not weighted:
+        return (
+            _forward("unweighted", lambda x, w, eps: op(x, None, eps), False, eps_attr, FUSED_OP),
+        )
+    return tuple(
+        _forward(name, _op_formula(op, offset, cast), True, eps_attr, FUSED_OP)
+        for name, offset, cast in WITH_OP
+    )
+
+
+def _forward(
+    name: str, formula: Formula, weighted: bool, eps_attr: str, op: str = OP, fallback: bool = False
+) -> Variant:
     """The replacement ``forward``: reads the weight and epsilon from the module at call time."""
     if weighted:
 
@@ -119,21 +158,37 @@ def _forward(name: str, formula: Formula, weighted: bool, eps_attr: str) -> Vari
         def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
             return formula(hidden_states, None, getattr(self, eps_attr))
 
-    forward.__qualname__ = f"rms_norm[{name}, {eps_attr}].forward"
-    return Variant(name, OP, forward)
+    forward.__qualname__ = f"rms_norm[{name}, {eps_attr}, {op}].forward"
+    return Variant(name, op, forward, fallback=fallback)
 
 
 # Built once: adopted layers of every model share these functions (and the kernels layer classes).
-# Keys: (has a weight, epsilon attribute, fuse_weight).
-VARIANTS: dict[tuple[bool, str, bool], tuple[Variant, ...]] = {
-    (weighted, attr, fused): tuple(
-        _forward(name, formula, weighted, attr)
+# Keys: (has a weight, epsilon attribute, fuse_weight, fallback).
+VARIANTS: dict[tuple[bool, str, bool, bool], tuple[Variant, ...]] = {
+    (weighted, attr, fused, fallback): tuple(
+        _forward(name, formula, weighted, attr, fallback=fallback)
         for name, formula in (UNWEIGHTED if not weighted else FUSED if fused else EXACT)
     )
     for weighted in (True, False)
     for attr in EPS_ATTRS
     for fused in (False, True)
+    for fallback in (False, True)
 }
+# Through torchgraft.functional.rms_norm, built on first use per op function.
+# Keys: (the op, has a weight, epsilon attribute).
+_OP_VARIANTS: dict[tuple[object, bool, str], tuple[Variant, ...]] = {}
+
+
+def variants(weighted: bool, eps_attr: str, ctx: Context) -> tuple[Variant, ...]:
+    """The variants to probe, best route first: through torchgraft.functional.rms_norm where
+    this build has it (the F.rms_norm routes then as fallbacks), else through F.rms_norm."""
+    op, _missing = ctx.functional_op(FUNCTIONAL_OP)
+    if op is None:
+        return VARIANTS[(weighted, eps_attr, ctx.fuse_weight, False)]
+    key = (op, weighted, eps_attr)
+    if key not in _OP_VARIANTS:
+        _OP_VARIANTS[key] = _op_variants(op, weighted, eps_attr)  # type: ignore[arg-type]
+    return _OP_VARIANTS[key] + VARIANTS[(weighted, eps_attr, ctx.fuse_weight, True)]
 
 
 class RMSNormAdopter:
@@ -173,7 +228,7 @@ def _plan(c: Candidate, module: nn.Module, ctx: Context) -> None:
     weight = module._parameters.get("weight")
     hidden = weight.shape[0] if weight is not None else 16
     c.own = module.forward
-    c.variants = VARIANTS[(weight is not None, eps_attr, ctx.fuse_weight)]
+    c.variants = variants(weight is not None, eps_attr, ctx)
     c.cases = functools.partial(_cases, module, hidden)
     c.run = functools.partial(_run, module)
     c.preference_key = ("rms_norm", type(module))

@@ -116,7 +116,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _notes(report: ModelReport) -> list[str]:
-    """Errors, state problems, skipped variants, adoption, Liger's patches, checks."""
+    """Errors, state problems, skipped variants, adoption, global patches, checks."""
     lines = []
     for r in report.variants:
         if r.error:
@@ -125,7 +125,7 @@ def _notes(report: ModelReport) -> list[str]:
             lines.append(f"{r.name}: NOT RESTORED: {problem}")
         if r.notes.get("global_patches"):
             lines.append(
-                f"{r.name}: Liger's global patches, applied around its own steps only: "
+                f"{r.name}: module-global patches, applied around its own steps only: "
                 + ", ".join(r.notes["global_patches"])
             )
         if r.graphs_compiled_while_timed:

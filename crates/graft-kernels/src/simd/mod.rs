@@ -61,6 +61,14 @@ where
     /// Narrows `v` into `dst[..S::LANES]` (rounding as [`Float::from_acc`]). Panics if `dst` is
     /// shorter.
     fn store(s: S, v: S::V, dst: &mut [Self]);
+    /// `v` rounded to `Self` and widened back: what `.to(dtype)` then arithmetic in `Self::Acc`
+    /// sees. The accumulation types override it with the identity.
+    #[inline(always)]
+    fn round(s: S, v: S::V) -> S::V {
+        let mut buf = [Self::default(); MAX_LANES];
+        Self::store(s, v, &mut buf);
+        Self::load(s, &buf)
+    }
 }
 
 /// Loads fewer than `S::LANES` elements; the missing lanes read as zero.

@@ -492,6 +492,10 @@ impl Lanes<Avx2> for f32 {
         // SAFETY: the token proves AVX.
         s.put(&mut dst[..8], unsafe { _mm256_castps_si256(v) })
     }
+    #[inline(always)]
+    fn round(_: Avx2, v: __m256) -> __m256 {
+        v
+    }
 }
 
 impl Lanes<Avx2> for f64 {
@@ -505,6 +509,10 @@ impl Lanes<Avx2> for f64 {
     fn store(s: Avx2, v: __m256d, dst: &mut [f64]) {
         // SAFETY: the token proves AVX.
         s.put(&mut dst[..4], unsafe { _mm256_castpd_si256(v) })
+    }
+    #[inline(always)]
+    fn round(_: Avx2, v: __m256d) -> __m256d {
+        v
     }
 }
 
@@ -729,6 +737,10 @@ impl Lanes<Avx512> for f32 {
         // SAFETY: the token proves AVX-512F.
         s.put(&mut dst[..16], unsafe { _mm512_castps_si512(v) })
     }
+    #[inline(always)]
+    fn round(_: Avx512, v: __m512) -> __m512 {
+        v
+    }
 }
 
 impl Lanes<Avx512> for f64 {
@@ -742,6 +754,10 @@ impl Lanes<Avx512> for f64 {
     fn store(s: Avx512, v: __m512d, dst: &mut [f64]) {
         // SAFETY: the token proves AVX-512F.
         s.put(&mut dst[..8], unsafe { _mm512_castpd_si512(v) })
+    }
+    #[inline(always)]
+    fn round(_: Avx512, v: __m512d) -> __m512d {
+        v
     }
 }
 

@@ -9,6 +9,7 @@
 mod cross_entropy;
 mod glu;
 mod linear_cross_entropy;
+mod rms_norm;
 mod rope;
 
 use std::sync::Mutex;
@@ -164,6 +165,22 @@ const OPS: &[CustomOp] = &[
         },
         cpu_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_BACKWARD_CPU,
         cuda_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_BACKWARD_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rms_norm",
+        schema: c"rms_norm(Tensor x, Tensor? weight, float eps, float offset, bool cast_before_weight) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rms_norm::RmsNormCpu>(c"rms_norm"),
+        register_cuda: |lib| lib.register::<rms_norm::RmsNormCuda>(c"rms_norm"),
+        cpu_counters: &rms_norm::RMS_NORM_CPU,
+        cuda_counters: &rms_norm::RMS_NORM_CUDA,
+    },
+    CustomOp {
+        op: "torchgraft::rms_norm_backward",
+        schema: c"rms_norm_backward(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, float offset, bool cast_before_weight, bool[2] output_mask) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<rms_norm::RmsNormBackwardCpu>(c"rms_norm_backward"),
+        register_cuda: |lib| lib.register::<rms_norm::RmsNormBackwardCuda>(c"rms_norm_backward"),
+        cpu_counters: &rms_norm::RMS_NORM_BACKWARD_CPU,
+        cuda_counters: &rms_norm::RMS_NORM_BACKWARD_CUDA,
     },
 ];
 

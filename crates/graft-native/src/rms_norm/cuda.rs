@@ -7,7 +7,7 @@
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{DType, Device, Kernel, NewTensor, Result, Tensor};
-use graft_cuda::{RmsNormBackward, RmsNormForward, Weight};
+use graft_cuda::{RmsNormBackward, RmsNormForward, Weight, WeightMode};
 
 use super::{
     acc_dtype, check_backward, check_forward, contiguous, default_eps, in_backward_layout,
@@ -20,7 +20,7 @@ pub static FORWARD: Counters = Counters::new();
 /// Calls of the backward graft.
 pub static BACKWARD: Counters = Counters::new();
 
-fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
+pub(crate) fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
     match dtype {
         DType::F32 => graft_cuda::DType::F32,
         DType::F64 => graft_cuda::DType::F64,
@@ -29,17 +29,20 @@ fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
     }
 }
 
-fn ptr(t: &Tensor) -> Result<u64> {
+pub(crate) fn ptr(t: &Tensor) -> Result<u64> {
     Ok(t.data_ptr()? as u64)
 }
 
-fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
+pub(crate) fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
     graft_abi::Error::msg(e.to_string())
 }
 
 /// A contiguous weight the kernels can read: in the input's dtype, or else in the accumulation
 /// dtype (converted; rare: F.rms_norm only reaches the op with matching dtypes).
-fn kernel_weight(weight: Option<&Tensor>, dtype: DType) -> Result<(Option<Tensor>, Weight)> {
+pub(crate) fn kernel_weight(
+    weight: Option<&Tensor>,
+    dtype: DType,
+) -> Result<(Option<Tensor>, Weight)> {
     let Some(weight) = weight else {
         return Ok((None, Weight::None));
     };
@@ -56,7 +59,7 @@ fn kernel_weight(weight: Option<&Tensor>, dtype: DType) -> Result<(Option<Tensor
 
 /// A tensor of `sizes` on `device` holding `value` everywhere (made on the CPU, then copied:
 /// the stable ABI cannot pass a Scalar to aten::fill_).
-fn filled(sizes: &[i64], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
+pub(crate) fn filled(sizes: &[i64], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
     let mut host = NewTensor::empty(sizes, DType::F64, Device::CPU)?;
     host.as_mut_slice::<f64>()?.fill(value);
     let out = NewTensor::empty(sizes, dtype, device)?.finish();
@@ -104,6 +107,7 @@ impl Kernel for ForwardCuda {
                 rows,
                 cols,
                 eps: eps.unwrap_or_else(|| default_eps(dtype)),
+                mode: WeightMode::default(),
             })
             .map_err(cuda_error)?;
         }
@@ -192,6 +196,7 @@ impl Kernel for BackwardCuda {
                 workspace_bytes,
                 rows,
                 cols,
+                mode: WeightMode::default(),
             })
             .map_err(cuda_error)?;
         }

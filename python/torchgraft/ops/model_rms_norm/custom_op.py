@@ -1,0 +1,135 @@
+"""Autograd and fake functions of ``torchgraft::rms_norm`` and ``torchgraft::rms_norm_backward``.
+
+The schemas and kernels are native (crates/graft-native/src/ops/rms_norm.rs); importing this
+module defines them and registers what only Python can give: the fake functions (shapes for
+``torch.compile``, with the kernels' checks and messages) and the autograd formula, whose
+backward is the fused ``rms_norm_backward`` op (dx and dw in one kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgraft.ops.native_ops import define_native_ops
+
+from .reference import acc_dtype
+
+__all__: list[str] = []
+
+define_native_ops()
+
+
+def _sizes(shape: torch.Size) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """c10's name of a dtype ("Float", "BFloat16", ...), as the kernels' messages print it."""
+    return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+_C10_NAMES = {
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+    torch.float16: "Half",
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.complex32: "ComplexHalf",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+    torch.bool: "Bool",
+    torch.bfloat16: "BFloat16",
+}
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check(op: str, x: Tensor, weight: Tensor | None, cast_before_weight: bool) -> None:
+    """The checks the native kernels make (same messages), for fake tensors."""
+    if x.dtype not in _KERNEL_DTYPES:
+        raise RuntimeError(f"\"{op}\" not implemented for '{_dtype_name(x.dtype)}'")
+    if x.dim() == 0:
+        raise RuntimeError(
+            f"{op}: expected an input with at least 1 dimension (normalized over the last), "
+            "got a 0-dim tensor"
+        )
+    if weight is None:
+        return
+    if weight.device != x.device:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{x.device} and {weight.device}!"
+        )
+    if weight.dtype not in _KERNEL_DTYPES:
+        raise RuntimeError(f"\"{op}\" not implemented for '{_dtype_name(weight.dtype)}'")
+    cols = x.shape[-1]
+    if tuple(weight.shape) != (cols,):
+        raise RuntimeError(
+            "Expected weight to be of same shape as normalized_shape, but got weight of shape "
+            f"{_sizes(weight.shape)} and normalized_shape = [{cols}]"
+        )
+    if cast_before_weight and torch.promote_types(x.dtype, weight.dtype) != x.dtype:
+        xd, wd = _dtype_name(x.dtype), _dtype_name(weight.dtype)
+        raise RuntimeError(
+            f"{op}: with cast_before_weight, a {wd} weight times a {xd} input is not {xd}; "
+            "this op returns the input's dtype (torchgraft.functional.rms_norm computes this case)"
+        )
+
+
+@torch.library.register_fake("torchgraft::rms_norm")
+def _rms_norm_fake(
+    x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_weight: bool
+) -> tuple[Tensor, Tensor]:
+    check("rms_norm", x, weight, cast_before_weight)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=acc_dtype(x.dtype), device=x.device)
+    return y, rstd
+
+
+@torch.library.register_fake("torchgraft::rms_norm_backward")
+def _rms_norm_backward_fake(
+    grad: Tensor,
+    x: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    offset: float,
+    cast_before_weight: bool,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor]:
+    check("rms_norm_backward", x, weight, cast_before_weight)
+    dx_shape = x.shape if output_mask[0] else (0,)
+    dx = torch.empty(dx_shape, dtype=x.dtype, device=x.device)
+    dw_dtype = weight.dtype if weight is not None else x.dtype
+    dw_shape = (x.shape[-1],) if output_mask[1] and weight is not None else (0,)
+    dw = torch.empty(dw_shape, dtype=dw_dtype, device=x.device)
+    return dx, dw
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, weight, _eps, offset, cast_before_weight = inputs
+    _y, rstd = output
+    ctx.save_for_backward(x, rstd, weight)
+    ctx.offset = offset
+    ctx.cast_before_weight = cast_before_weight
+    ctx.mark_non_differentiable(rstd)
+
+
+def _backward(
+    ctx: Any, grad: Tensor, _grad_rstd: Tensor | None
+) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+    x, rstd, weight = ctx.saved_tensors
+    want_dx, want_dw = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.torchgraft.rms_norm_backward(
+        grad, x, rstd, weight, ctx.offset, ctx.cast_before_weight, [want_dx, want_dw]
+    )
+    return (dx if want_dx else None), (dw if want_dw else None), None, None, None
+
+
+torch.library.register_autograd("torchgraft::rms_norm", _backward, setup_context=_setup_context)
