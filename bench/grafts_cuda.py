@@ -23,8 +23,8 @@ sections, ``--skip-compile`` leaves torch.compile out):
    (``_softmax_backward_data`` / ``_log_softmax_backward_data``) by ATen, torchgraft's native
    kernels and ``torch.compile`` of the same op (static shapes). Medians of CUDA-event timings;
    against a copy of the input (the forward reads and writes one tensor; the backward reads two
-   and writes one: its floor is 1.5 copies; torch.compile at 4k, 32k and 256k only). Issue 14's target: >= 90% of copy bandwidth at
-   widths >= 4k, never slower than ATen.
+   and writes one: its floor is 1.5 copies; torch.compile at 4k, 32k and 256k only). Issue 14's
+   target: >= 90% of copy bandwidth at widths >= 4k, never slower than ATen.
 
 4. LayerNorm, bfloat16, hidden 4096 and 8192 at 128M elements, weight and bias: the forward op
    (``aten::native_layer_norm``) against a copy of x (target <= 1.05x), the backward

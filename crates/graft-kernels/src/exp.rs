@@ -161,6 +161,7 @@ mod tests {
     use super::VecExp;
 
     /// `e^x` fused and unfused, checked to agree within an ulp; the fused value.
+    #[allow(clippy::eq_op)] // `v != v`: the NaN test, for any `VecExp` type
     fn exp_both<A: VecExp + std::fmt::Debug>(x: A) -> A {
         let (a, b) = (x.exp::<true>(), x.exp::<false>());
         let close = (a == b) || (a != a && b != b) || {

@@ -59,7 +59,7 @@ pub fn check_inputs(
     }
     let sizes = input.sizes()?;
     let batch = sizes.len().checked_sub(normalized_shape.len());
-    if !batch.is_some_and(|b| &sizes[b..] == normalized_shape) {
+    if batch.is_none_or(|b| &sizes[b..] != normalized_shape) {
         let dims: String = normalized_shape.iter().map(|s| format!(", {s}")).collect();
         return Err(graft_abi::Error::msg(format!(
             "Given normalized_shape={}, expected input with shape [*{dims}], but got input of \
