@@ -14,8 +14,8 @@ memory at the peak, the eager fused-linear baseline):
 2. Fused linear cross-entropy, 8192 tokens, 2048 -> 128256, bf16, forward + backward (hidden
    and weight gradients): eager (``h @ W.T`` then the float32 upcast), eager bf16,
    torch.compile of the upcast version, Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction``
-   when importable, torchgraft with its default chunk and with 1024-row chunks; floor: three
-   ``h @ W.T``-sized GEMMs as aten runs them.
+   when importable, torchgraft with its default chunk (1024 rows here) and with 256- and
+   2048-row chunks; floor: three ``h @ W.T``-sized GEMMs as aten runs them.
 
 Every route is first checked against the eager float32-upcast route (loss and gradients, as
 relative norms), then timed with ``triton.testing.do_bench`` (medians, L2 flushed), and its
@@ -250,8 +250,9 @@ def bench_linear_cross_entropy(
     if lig is not None:
         losses["liger"] = lambda: first(lig[1].apply(hx, wx, target))
     losses["torchgraft"] = lambda: tgf.linear_cross_entropy(hx, wx, target)
-    losses["torchgraft_chunk1024"] = lambda: tgf.linear_cross_entropy(
-        hx, wx, target, chunk_size=1024
+    losses["torchgraft_chunk256"] = lambda: tgf.linear_cross_entropy(hx, wx, target, chunk_size=256)
+    losses["torchgraft_chunk2048"] = lambda: tgf.linear_cross_entropy(
+        hx, wx, target, chunk_size=2048
     )
     routes: dict[str, Step] = {name: (lambda f=f: f().backward()) for name, f in losses.items()}
 

@@ -220,7 +220,7 @@ def linear_cross_entropy(
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (then the backward runs the chunks again
             with each row's upstream gradient).
         chunk_size: Rows per chunk; by default a logits buffer about the size of ``hidden``
-            (at least 256 rows). Larger chunks are faster and round the weight gradient fewer
+            (at least 1024 rows). Larger chunks are faster and round the weight gradient fewer
             times, and cost ``chunk_size * V`` elements.
     """
     red = _reduction(reduction)

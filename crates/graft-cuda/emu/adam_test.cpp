@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_emu.h"
@@ -37,7 +38,8 @@ bool same_bits(T a, T b) {
 
 // The host transcription of one element (ATen's adam_math, accumulation type A).
 template <typename A, bool ADAMW, bool AMS>
-void host_update(const AdamParams& p, float step, A& param, A& grad, A& m, A& v, A& mx) {
+void host_update(const AdamParams& p, float step, bool l2_unfused, A& param, A& grad, A& m, A& v,
+                 A& mx) {
   const A lr = p.lr_ptr ? A(*p.lr_ptr) : A(p.lr);
   const A b1 = A(p.beta1), b2 = A(p.beta2), wd = A(p.weight_decay), eps = A(p.eps);
   const A bc1 = A(1) - A(std::pow(b1, A(step)));
@@ -48,6 +50,8 @@ void host_update(const AdamParams& p, float step, A& param, A& grad, A& m, A& v,
   if (wd != A(0)) {
     if (ADAMW) {
       param = std::fma(-(lr * wd), param, param);
+    } else if (l2_unfused) {
+      g = g + param * wd;
     } else {
       g = std::fma(param, wd, g);
     }
@@ -77,7 +81,7 @@ void run_case(void (*kernel)(AdamParams), const char* name, bool scaled, bool ma
               bool lr_on_device, bool skip) {
   std::mt19937 rng(1234);
   std::normal_distribution<double> normal(0.0, 1.0);
-  const std::vector<size_t> lengths = {1, 2, 3, 7, 8, 9, 15, 16, 17, 64, 100, 129, 300};
+  const std::vector<size_t> lengths = {1, 2, 3, 7, 8, 9, 15, 16, 17, 64, 100, 129, 300, 1100, 1101};
   std::vector<Tensor5> ts;
   for (size_t i = 0; i < lengths.size() * 2; ++i) {
     Tensor5 t;
@@ -129,11 +133,19 @@ void run_case(void (*kernel)(AdamParams), const char* name, bool scaled, bool ma
     Tensor5& r = ref[i];
     T* d[5];
     for (int k = 0; k < 5; ++k) d[k] = reinterpret_cast<T*>(r.mem[k].data()) + r.offset;
+    // Which elements ATen computes `grad + param * weight_decay` unfused (kernels/adam.cu,
+    // aten_first_of_strided): its path depends on the size and on the kernel's buffers.
+    unsigned long long any_address = 0;
+    for (int k = 0; k < (AMS ? 5 : 4); ++k)
+      any_address |= reinterpret_cast<unsigned long long>(ts[i].mem[k].data() + ts[i].offset * sizeof(T));
+    const bool aten_vectorized = r.n % 4 == 0 && any_address % (4 * sizeof(T)) == 0;
     for (size_t e = 0; e < r.n && !skip; ++e) {
+      const bool l2_unfused = std::is_same<A, float>::value && !ADAMW && !AMS &&
+                              (aten_vectorized ? e % 4 == 0 : e % 2048 < 512);
       A param = graft_common::to_acc(d[0][e]), grad = graft_common::to_acc(d[1][e]),
         m = graft_common::to_acc(d[2][e]), v = graft_common::to_acc(d[3][e]),
         mx = graft_common::to_acc(d[4][e]);
-      host_update<A, ADAMW, AMS>(p, r.step, param, grad, m, v, mx);
+      host_update<A, ADAMW, AMS>(p, r.step, l2_unfused, param, grad, m, v, mx);
       d[0][e] = graft_common::from_acc<T>(param);
       if (scaled) d[1][e] = graft_common::from_acc<T>(grad);
       d[2][e] = graft_common::from_acc<T>(m);

@@ -8,6 +8,8 @@
 // `chunk` elements; block b finds its tensor by a binary search over the chunks' prefix sums,
 // so one launch serves any mix of large and small tensors with no idle tail per tensor.
 
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace graft_adam {
@@ -99,8 +101,8 @@ __device__ __forceinline__ Coeffs<A> coeffs(const AdamParams& p, int t) {
 
 // One element: ATen's adam_math. Returns the unscaled gradient for storing.
 template <typename A, bool ADAMW, bool AMS>
-__device__ __forceinline__ void update(const Coeffs<A>& c, bool scaled, A& param, A& grad, A& m,
-                                       A& v, A& mx) {
+__device__ __forceinline__ void update(const Coeffs<A>& c, bool scaled, bool l2_unfused, A& param,
+                                       A& grad, A& m, A& v, A& mx) {
   using M = Math<A>;
   if (scaled) grad = M::div(grad, A(c.grad_scale));
   const A g_store = grad;
@@ -108,6 +110,8 @@ __device__ __forceinline__ void update(const Coeffs<A>& c, bool scaled, A& param
   if (c.weight_decay != A(0)) {
     if (ADAMW) {
       param = M::fma(-c.lr_wd, param, param);
+    } else if (l2_unfused) {
+      g = M::add(g, M::mul(param, c.weight_decay));
     } else {
       g = M::fma(param, c.weight_decay, g);
     }
@@ -124,6 +128,24 @@ __device__ __forceinline__ void update(const Coeffs<A>& c, bool scaled, A& param
   const A denom = M::add(M::div(M::sqrt(second), c.bc2_sqrt), c.eps);
   param = M::sub(param, M::div(M::mul(c.step_size, m), denom));
   grad = g_store;
+}
+
+// ATen's `grad += param * weight_decay` (Adam's L2 term) is a fused multiply-add in every
+// instantiation of torch's CUDA build but one: float math without AMSGrad, where nvcc left it
+// a multiply and an add for the first of the kILP = 4 elements a thread holds (measured on an
+// H100 with torch 2.11+cu130, element by element). Which element is "first" depends on ATen's
+// path: 4 consecutive elements when the tensor's size is a multiple of 4 and its buffers are
+// aligned to 4 elements, else elements blockDim (512) apart, per 2048.
+constexpr long long kAtenIlp = 4;
+constexpr long long kAtenBlock = 512;
+
+template <typename A, bool ADAMW, bool AMS>
+constexpr bool kL2Unfused = std::is_same<A, float>::value && !ADAMW && !AMS;
+
+// On ATen's other path, whether element `index` of a tensor is a thread's first of four.
+__device__ __forceinline__ bool aten_first_of_strided(long long index) {
+  static_assert(((kAtenIlp * kAtenBlock) & (kAtenIlp * kAtenBlock - 1)) == 0, "a power of 2");
+  return (static_cast<unsigned>(index) & unsigned(kAtenIlp * kAtenBlock - 1)) < kAtenBlock;
 }
 
 template <typename T>
@@ -157,6 +179,13 @@ __device__ void step(const AdamParams& p) {
   T* xp = AMS ? static_cast<T*>(p.max_exp_avg_sq[t]) + start : nullptr;
   const Coeffs<A> c = coeffs<A>(p, t);
   const bool scaled = p.grad_scale != nullptr;
+  constexpr unsigned long long kAtenAlign = kAtenIlp * sizeof(T);
+  const unsigned long long any_address = reinterpret_cast<unsigned long long>(pp) |
+                                         reinterpret_cast<unsigned long long>(gp) |
+                                         reinterpret_cast<unsigned long long>(mp) |
+                                         reinterpret_cast<unsigned long long>(vp) |
+                                         reinterpret_cast<unsigned long long>(xp);
+  const bool aten_vectorized = p.numel[t] % kAtenIlp == 0 && any_address % kAtenAlign == 0;
 
   constexpr int N = Pack<T>::N;
   const bool vec = aligned16<T>(pp) && aligned16<T>(gp) && aligned16<T>(mp) &&
@@ -166,6 +195,7 @@ __device__ void step(const AdamParams& p) {
     const long long packs = n / N;
     for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
       const long long i = k * N;
+      const bool first_strided = aten_first_of_strided(start + i);
       Pack<T> P = graft_common::load_pack(pp + i);
       Pack<T> G = graft_common::load_pack(gp + i);
       Pack<T> Mv = graft_common::load_pack(mp + i);
@@ -176,7 +206,11 @@ __device__ void step(const AdamParams& p) {
       for (int e = 0; e < N; ++e) {
         A param = to_acc(P.v[e]), grad = to_acc(G.v[e]), m = to_acc(Mv.v[e]),
           v = to_acc(V.v[e]), mx = AMS ? to_acc(X.v[e]) : A(0);
-        update<A, ADAMW, AMS>(c, scaled, param, grad, m, v, mx);
+        // start + i is a multiple of N (>= 4): e decides on ATen's vectorized path, and the
+        // whole pack falls on one side of the 512-element boundaries on the other.
+        const bool unfused = kL2Unfused<A, ADAMW, AMS> &&
+                             (aten_vectorized ? e % kAtenIlp == 0 : first_strided);
+        update<A, ADAMW, AMS>(c, scaled, unfused, param, grad, m, v, mx);
         P.v[e] = from_acc<T>(param);
         G.v[e] = from_acc<T>(grad);
         Mv.v[e] = from_acc<T>(m);
@@ -194,7 +228,10 @@ __device__ void step(const AdamParams& p) {
   for (long long i = done + threadIdx.x; i < n; i += blockDim.x) {
     A param = to_acc(pp[i]), grad = to_acc(gp[i]), m = to_acc(mp[i]), v = to_acc(vp[i]),
       mx = AMS ? to_acc(xp[i]) : A(0);
-    update<A, ADAMW, AMS>(c, scaled, param, grad, m, v, mx);
+    const bool unfused =
+        kL2Unfused<A, ADAMW, AMS> &&
+        (aten_vectorized ? (start + i) % kAtenIlp == 0 : aten_first_of_strided(start + i));
+    update<A, ADAMW, AMS>(c, scaled, unfused, param, grad, m, v, mx);
     pp[i] = from_acc<T>(param);
     if (scaled) gp[i] = from_acc<T>(grad);
     mp[i] = from_acc<T>(m);

@@ -84,12 +84,13 @@ __device__ __forceinline__ A exp_shifted(A v, A m) {
   return v == neg_inf(v) ? A(0) : fast_exp(v - m);
 }
 
-// (m, s) merged with (m2, s2): s scaled to the larger maximum. -inf with -inf stays (-inf, 0).
+// (m, s) merged with (m2, s2): s scaled to the larger maximum. While a maximum is -inf its sum
+// is 0, or NaN when a NaN element was seen: both survive the merge (0 * NaN is NaN).
 template <typename A>
 __device__ __forceinline__ void merge(A& m, A& s, A m2, A s2) {
   const A mx = m > m2 ? m : m2;
   if (mx == neg_inf(mx)) {
-    s = A(0);
+    s = s + s2;
   } else {
     s = s * exp_shifted(m, mx) + s2 * exp_shifted(m2, mx);
   }
@@ -104,7 +105,8 @@ __device__ __forceinline__ void accumulate(const A (&v)[N], A& m, A& s, A& sum, 
 #pragma unroll
   for (int e = 1; e < N; ++e) pm = v[e] > pm ? v[e] : pm;
   if (pm > m) {
-    s = (m == neg_inf(m)) ? A(0) : s * fast_exp(m - pm);
+    // From m = -inf the factor is exp(-inf) = 0: s (0, or NaN after a NaN element) keeps a NaN.
+    s = s * fast_exp(m - pm);
     m = pm;
   }
 #pragma unroll
