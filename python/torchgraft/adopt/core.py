@@ -14,6 +14,7 @@ from torch import nn
 
 from torchgraft.adopt import hub, slots
 from torchgraft.adopt.base import Adopter, Candidate, Context, Variant
+from torchgraft.adopt.causal_lm_head import CausalLMHeadAdopter
 from torchgraft.adopt.causal_lm_loss import CausalLMLossAdopter
 from torchgraft.adopt.gated_mlp import GatedMLPAdopter
 from torchgraft.adopt.hub_layers import HubLayerReporter
@@ -26,7 +27,8 @@ ADOPTERS: tuple[Adopter, ...] = (
     RMSNormAdopter(),
     GatedMLPAdopter(),
     RopeAdopter(),
-    CausalLMLossAdopter(),
+    CausalLMHeadAdopter(),  # training with labels: no logits
+    CausalLMLossAdopter(),  # every other call that computes the loss
     HubLayerReporter(),  # last: reports hub-tagged layers no adopter above claimed
 )
 """The adoption table: one row per kind of layer (see each adopter's ``finds``)."""
