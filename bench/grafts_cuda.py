@@ -1,8 +1,11 @@
-"""The native aten grafts of issue 14 on one CUDA GPU: fused AdamW (and Adam).
+"""The native aten grafts of issue 14 on one CUDA GPU: fused AdamW (and Adam), softmax and
+log-softmax, LayerNorm.
 
-Run from the repository root on the GPU machine (about 2 minutes on an H100):
+Run from the repository root on the GPU machine (under 4 minutes on an H100; ``--only`` picks
+sections, ``--skip-compile`` leaves torch.compile out):
 
     PYTHONPATH=python python3 bench/grafts_cuda.py
+    PYTHONPATH=python python3 bench/grafts_cuda.py --only softmax,layer_norm
 
 1. Correctness: one step of ``aten::_fused_adamw_`` over the whole tensor list, ATen's kernel
    and torchgraft's native kernel on copies of the same state, compared to the bit.
@@ -14,6 +17,20 @@ Run from the repository root on the GPU machine (about 2 minutes on an H100):
    CUDA-event timings; effective bandwidth = bytes read + written (param, grad, exp_avg,
    exp_avg_sq read; param, exp_avg, exp_avg_sq written) / time. Issue 14's target: >= 2.7 TB/s
    and >= 1.5x ATen on the 1.2B list.
+
+3. Softmax and log-softmax over the last dim, bfloat16, widths 1k..256k at 128M elements per
+   tensor: the forward op (``aten::_softmax`` / ``_log_softmax``) and its backward
+   (``_softmax_backward_data`` / ``_log_softmax_backward_data``) by ATen, torchgraft's native
+   kernels and ``torch.compile`` of the same op (static shapes). Medians of CUDA-event timings;
+   against a copy of the input (the forward reads and writes one tensor; the backward reads two
+   and writes one: its floor is 1.5 copies; torch.compile at 4k and 256k only). Issue 14's
+   target: >= 90% of copy bandwidth at widths >= 4k, never slower than ATen.
+
+4. LayerNorm, bfloat16, hidden 4096 and 8192 at 128M elements, weight and bias: the forward op
+   (``aten::native_layer_norm``) against a copy of x (target <= 1.05x), the backward
+   (``native_layer_norm_backward``, dx, dw and db) against its three-pass floor (1.5 copies:
+   read x and dy, write dx; target <= 1.15x) and both against ATen (target >= 1.3x) and
+   ``torch.compile`` of the same ops.
 
 Writes $OUT/grafts_cuda.json when OUT is set, else bench/results/grafts_cuda.json.
 """
@@ -142,11 +159,158 @@ def bench_list(name, shapes, dtype, reps, with_compile) -> dict:
     return out
 
 
+SOFTMAX_WIDTHS = [1024, 4096, 16384, 32768, 65536, 131072, 262144]
+SOFTMAX_NUMEL = 1 << 27
+# torch.compile is timed at these widths only: each compile costs seconds, and the section must
+# stay under two minutes.
+COMPILE_WIDTHS = (4096, 262144)
+
+
+def softmax_ops(log: bool):
+    a = torch.ops.aten
+    if log:
+        return a._log_softmax.default, a._log_softmax_backward_data.default
+    return a._softmax.default, a._softmax_backward_data.default
+
+
+def bench_softmax(width: int, log: bool, reps: int, with_compile: bool) -> dict:
+    """One width: forward and backward by every route, and the copy they are measured against."""
+    dtype = torch.bfloat16
+    rows = SOFTMAX_NUMEL // width
+    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 3
+    dy = torch.randn(rows, width, device="cuda", dtype=dtype)
+    fwd, bwd = softmax_ops(log)
+    y = fwd(x, -1, False)
+    out = torch.empty_like(x)
+    copy_ms = time_ms(lambda: out.copy_(x), reps)
+    ms: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
+    torchgraft.disable()
+    ms["forward"]["aten"] = time_ms(lambda: fwd(x, -1, False), reps)
+    ms["backward"]["aten"] = time_ms(lambda: bwd(dy, y, -1, dtype), reps)
+    torchgraft.enable()
+    ms["forward"]["torchgraft_native"] = time_ms(lambda: fwd(x, -1, False), reps)
+    ms["backward"]["torchgraft_native"] = time_ms(lambda: bwd(dy, y, -1, dtype), reps)
+    torchgraft.disable()
+    if with_compile and width in COMPILE_WIDTHS:
+        try:
+            torch._dynamo.reset()  # a fresh cache: no recompile limit across widths and ops
+            cf = torch.compile(lambda t: fwd(t, -1, False), dynamic=False)
+            cb = torch.compile(lambda g, o: bwd(g, o, -1, dtype), dynamic=False)
+            ms["forward"]["torch_compile"] = time_ms(lambda: cf(x), reps)
+            ms["backward"]["torch_compile"] = time_ms(lambda: cb(dy, y), reps)
+        except Exception as e:
+            ms["torch_compile_error"] = repr(e)[:300]  # type: ignore[assignment]
+    size = x.element_size() * x.numel()
+    floors = {"forward": copy_ms, "backward": 1.5 * copy_ms}
+    passes = {"forward": 2, "backward": 3}
+    result: dict = {
+        "op": "log_softmax" if log else "softmax",
+        "dtype": str(dtype),
+        "rows": rows,
+        "width": width,
+        "copy_ms": copy_ms,
+        "copy_TBps": 2 * size / (copy_ms * 1e-3) / 1e12,
+        "ms": ms,
+    }
+    for d in ("forward", "backward"):
+        routes = {k: v for k, v in ms[d].items()}
+        result[f"{d}_TBps"] = {k: passes[d] * size / (v * 1e-3) / 1e12 for k, v in routes.items()}
+        result[f"{d}_fraction_of_copy"] = {k: floors[d] / v for k, v in routes.items()}
+        result[f"{d}_speedup_vs_aten"] = routes["aten"] / routes["torchgraft_native"]
+    return result
+
+
+def run_softmax(reps: int, with_compile: bool) -> list[dict]:
+    runs = []
+    for log in (False, True):
+        for width in SOFTMAX_WIDTHS:
+            r = bench_softmax(width, log, reps, with_compile)
+            print(json.dumps(r), flush=True)
+            runs.append(r)
+            torch.cuda.empty_cache()
+    return runs
+
+
+LN_HIDDEN = [4096, 8192]
+
+
+def bench_layer_norm(hidden: int, reps: int, with_compile: bool) -> dict:
+    """One hidden size: forward and backward by every route, and the copy they are measured
+    against."""
+    dtype = torch.bfloat16
+    rows = SOFTMAX_NUMEL // hidden
+    x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    dy = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    b = torch.randn(hidden, device="cuda", dtype=dtype)
+    a = torch.ops.aten
+    _, mean, rstd = a.native_layer_norm.default(x, [hidden], w, b, 1e-5)
+
+    def fwd():
+        return a.native_layer_norm.default(x, [hidden], w, b, 1e-5)
+
+    def bwd():
+        return a.native_layer_norm_backward.default(dy, x, [hidden], mean, rstd, w, b, [True] * 3)
+
+    out = torch.empty_like(x)
+    copy_ms = time_ms(lambda: out.copy_(x), reps)
+    ms: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
+    torchgraft.disable()
+    ms["forward"]["aten"] = time_ms(fwd, reps)
+    ms["backward"]["aten"] = time_ms(bwd, reps)
+    torchgraft.enable()
+    ms["forward"]["torchgraft_native"] = time_ms(fwd, reps)
+    ms["backward"]["torchgraft_native"] = time_ms(bwd, reps)
+    torchgraft.disable()
+    if with_compile:
+        try:
+            torch._dynamo.reset()
+            cf = torch.compile(fwd, dynamic=False)
+            cb = torch.compile(bwd, dynamic=False)
+            ms["forward"]["torch_compile"] = time_ms(cf, reps)
+            ms["backward"]["torch_compile"] = time_ms(cb, reps)
+        except Exception as e:
+            ms["torch_compile_error"] = repr(e)[:300]  # type: ignore[assignment]
+    floors = {"forward": copy_ms, "backward": 1.5 * copy_ms}
+    result: dict = {
+        "op": "layer_norm",
+        "dtype": str(dtype),
+        "rows": rows,
+        "hidden": hidden,
+        "copy_ms": copy_ms,
+        "ms": ms,
+    }
+    for d in ("forward", "backward"):
+        routes = ms[d]
+        result[f"{d}_vs_floor"] = {k: v / floors[d] for k, v in routes.items()}
+        result[f"{d}_speedup_vs_aten"] = routes["aten"] / routes["torchgraft_native"]
+    return result
+
+
+def run_layer_norm(reps: int, with_compile: bool) -> list[dict]:
+    runs = []
+    for hidden in LN_HIDDEN:
+        r = bench_layer_norm(hidden, reps, with_compile)
+        print(json.dumps(r), flush=True)
+        runs.append(r)
+        torch.cuda.empty_cache()
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument(
+        "--only",
+        default="adamw,softmax,layer_norm",
+        help="comma-separated sections: adamw, softmax, layer_norm",
+    )
     args = parser.parse_args()
+    sections = set(args.only.split(","))
+    unknown = sections - {"adamw", "softmax", "layer_norm"}
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
     results: dict = {
@@ -155,20 +319,25 @@ def main() -> None:
         "python": platform.python_version(),
         "native_available": torchgraft.native.available(),
     }
-    results["bitwise"] = {
-        "llama_1b_f32": check_bitwise(llama_1b_shapes(), torch.float32),
-        "small_bf16": check_bitwise(small_shapes(), torch.bfloat16),
-    }
-    print(json.dumps(results["bitwise"], indent=1), flush=True)
-    runs = []
-    for name, shapes in [("llama_1b", llama_1b_shapes()), ("4000_small", small_shapes())]:
-        for dtype in (torch.float32, torch.bfloat16):
-            r = bench_list(name, shapes, dtype, args.reps, not args.skip_compile)
-            print(json.dumps(r), flush=True)
-            runs.append(r)
-            torch.cuda.empty_cache()
-    results["adamw"] = runs
-    results["stats"] = {k: v for k, v in torchgraft.stats().items() if "adam" in k}
+    if "adamw" in sections:
+        results["bitwise"] = {
+            "llama_1b_f32": check_bitwise(llama_1b_shapes(), torch.float32),
+            "small_bf16": check_bitwise(small_shapes(), torch.bfloat16),
+        }
+        print(json.dumps(results["bitwise"], indent=1), flush=True)
+        runs = []
+        for name, shapes in [("llama_1b", llama_1b_shapes()), ("4000_small", small_shapes())]:
+            for dtype in (torch.float32, torch.bfloat16):
+                r = bench_list(name, shapes, dtype, args.reps, not args.skip_compile)
+                print(json.dumps(r), flush=True)
+                runs.append(r)
+                torch.cuda.empty_cache()
+        results["adamw"] = runs
+    if "softmax" in sections:
+        results["softmax"] = run_softmax(args.reps, not args.skip_compile)
+    if "layer_norm" in sections:
+        results["layer_norm"] = run_layer_norm(args.reps, not args.skip_compile)
+    results["stats"] = {k: v for k, v in torchgraft.stats().items() if v["calls"]}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "grafts_cuda.json"

@@ -350,6 +350,9 @@ def test_graft_calls_are_counted_and_must_not_happen_with_torchgraft_off(monkeyp
         expected = {
             "native/aten::_fused_rms_norm/CPU": {"calls": 1, "fallbacks": 0},
             "native/aten::_fused_rms_norm_backward/CPU": {"calls": 1, "fallbacks": 0},
+            # The loss: cross-entropy through aten::_log_softmax and its backward.
+            "native/aten::_log_softmax/CPU": {"calls": 1, "fallbacks": 0},
+            "native/aten::_log_softmax_backward_data/CPU": {"calls": 1, "fallbacks": 0},
         }
         if "fused=True" in report.optimizer:
             # The fused optimizer step is grafted too (aten::_fused_adamw_).

@@ -50,6 +50,14 @@ impl FromStable for bool {
     }
 }
 
+impl FromStable for DType {
+    unsafe fn from_stable(value: StableIValue) -> Result<DType> {
+        // A ScalarType travels as the shim's int32 code in the low four bytes (the codes
+        // `load()` checked to be c10's).
+        Ok(DType(value as u32 as i32))
+    }
+}
+
 impl<T: FromStable> FromStable for Option<T> {
     unsafe fn from_stable(value: StableIValue) -> Result<Option<T>> {
         if value == 0 {

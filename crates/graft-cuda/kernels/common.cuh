@@ -1,5 +1,6 @@
 // Pieces shared by the elementwise and row kernels other than RMSNorm: element loads and
-// stores through the accumulation type, 16-byte packs, and the grid-stride index type.
+// stores through the accumulation type, 16-byte packs and row units, row-group reductions,
+// and the grid-stride index type.
 //
 // Included by each kernels/*.cu that needs it; build.rs compiles all of them as one
 // translation unit, so this header is guarded.
@@ -59,6 +60,99 @@ __device__ __forceinline__ Pack<T> load_pack(const T* p) {
 template <typename T>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T>& v) {
   *reinterpret_cast<Pack<T>*>(p) = v;
+}
+
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+
+struct MaxOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return max_acc(a, b);
+  }
+};
+struct SumOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return a + b;
+  }
+};
+
+// Reduction over the `tpr` threads of a row group (all of them get the same bits: xor
+// butterflies combine commutative pairs; the cross-warp step reads shared memory in a fixed
+// order). `red` holds 32 values; callers alternate two buffers, one barrier per reduction.
+template <typename A, typename Op>
+__device__ __forceinline__ A group_reduce(A v, int tpr, A* red, Op op) {
+  const int width = tpr < 32 ? tpr : 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (o < width) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  if (tpr > 32) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    const int nw = tpr >> 5;
+    const int w0 = (warp / nw) * nw;
+    v = red[w0];
+    for (int i = 1; i < nw; ++i) v = op(v, red[w0 + i]);
+  }
+  return v;
+}
+
+// Units: 16 bytes of a row's element type (N = 16 / sizeof(T) elements), widened to A.
+
+template <typename T>
+struct Units {
+  static constexpr int N = 16 / sizeof(T);
+};
+
+// Unit j of a row into v[]; elements past `cols` (scalar path) or of a missing unit get `pad`.
+template <typename T, typename A, int N>
+__device__ __forceinline__ void load_unit(A (&v)[N], const T* __restrict__ row, long long j,
+                                          long long cols, bool vec, bool valid, A pad) {
+  if (valid && vec) {
+    const graft_common::Pack<T> p = graft_common::load_pack(row + j * N);
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[e] = A(to_acc(p.v[e]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const long long c = j * N + e;
+      v[e] = (valid && c < cols) ? A(to_acc(row[c])) : pad;
+    }
+  }
+}
+
+// N values rounded to TO stored as columns [j * N, j * N + N) of a row: one or two 16-byte
+// stores (or one 8-byte store for 4 halves) on the vector path, else element by element.
+template <typename TO, typename A, int N>
+__device__ __forceinline__ void store_unit(TO* __restrict__ row, const A (&v)[N], long long j,
+                                           long long cols, bool vec) {
+  if (vec) {
+    struct alignas(16) Out {
+      TO v[N];
+    } o;
+#pragma unroll
+    for (int e = 0; e < N; ++e) o.v[e] = from_acc<TO>(typename Acc<TO>::type(v[e]));
+    constexpr int kBytes = int(N * sizeof(TO));
+    if constexpr (kBytes % 16 == 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(&o);
+      uint4* dst = reinterpret_cast<uint4*>(row + j * N);
+#pragma unroll
+      for (int i = 0; i < kBytes / 16; ++i) dst[i] = src[i];
+    } else {
+      static_assert(kBytes == 8, "a unit of output is 8 bytes or whole 16-byte vectors");
+      *reinterpret_cast<unsigned long long*>(row + j * N) =
+          *reinterpret_cast<const unsigned long long*>(&o);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const long long c = j * N + e;
+      if (c < cols) row[c] = from_acc<TO>(typename Acc<TO>::type(v[e]));
+    }
+  }
 }
 
 // Total threads of a 1-D grid and this thread's first index, as 64-bit values.

@@ -148,6 +148,8 @@ fn weight_tag(w: WeightKind) -> &'static str {
 const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[
     crate::glu::kernel_names,
     crate::adam::kernel_names,
+    crate::softmax::kernel_names,
+    crate::layer_norm::kernel_names,
     crate::rope::kernel_names,
     crate::cross_entropy::kernel_names,
 ];

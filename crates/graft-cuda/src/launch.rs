@@ -53,7 +53,7 @@ pub(crate) fn launch<P>(
 }
 
 /// The kernel table's index of entry point `name`.
-fn index_of(name: &str) -> Result<usize, CudaError> {
+pub(crate) fn index_of(name: &str) -> Result<usize, CudaError> {
     static INDEX: OnceLock<HashMap<String, usize>> = OnceLock::new();
     let index = INDEX.get_or_init(|| {
         kernels::all_names()

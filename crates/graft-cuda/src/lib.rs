@@ -28,9 +28,11 @@ pub mod fatbin;
 mod glu;
 mod kernels;
 mod launch;
+mod layer_norm;
 mod params;
 mod rms_norm;
 mod rope;
+mod softmax;
 pub mod tools;
 
 pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
@@ -41,12 +43,17 @@ pub use cross_entropy::{
 };
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
+pub use layer_norm::{
+    layer_norm_backward, layer_norm_backward_workspace_bytes, layer_norm_forward,
+    LayerNormBackward, LayerNormForward,
+};
 pub use rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,
     rms_norm_backward_workspace_bytes, rms_norm_backward_workspace_bytes_for, rms_norm_forward,
     rms_norm_forward_with, Plan, Tuning,
 };
 pub use rope::{rope, RopeArgs, RopeOperand};
+pub use softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
 
 mod error;
 

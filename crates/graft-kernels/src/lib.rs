@@ -17,14 +17,18 @@ mod blocks;
 pub mod convert;
 pub mod cross_entropy;
 mod dispatch;
+pub mod elem;
+pub mod exp;
 mod float;
 pub mod glu;
 mod isa;
+pub mod layer_norm;
 mod parallel;
 pub mod rms_norm;
 pub mod rope;
 mod rows;
 mod simd;
+pub mod softmax;
 mod vectorize;
 mod vmath;
 

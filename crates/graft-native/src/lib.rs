@@ -5,9 +5,11 @@
 //! that were there before come back), [`grafts`] reports them with their call counts.
 
 pub mod adam;
+pub mod layer_norm;
 mod layout;
 pub mod ops;
 pub mod rms_norm;
+pub mod softmax;
 mod stats;
 mod threads;
 
@@ -50,7 +52,7 @@ enum Holder {
     Cuda,
 }
 
-const GRAFTS: [Graft; 12] = [
+const GRAFTS: [Graft; 24] = [
     Graft {
         op: "aten::_fused_rms_norm",
         dispatch_key: "CPU",
@@ -123,6 +125,78 @@ const GRAFTS: [Graft; 12] = [
         holder: Holder::Cuda,
         counters: &adam::cuda::ADAM_TENSOR_LR,
     },
+    Graft {
+        op: "aten::_softmax",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::SOFTMAX,
+    },
+    Graft {
+        op: "aten::_log_softmax",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::LOG_SOFTMAX,
+    },
+    Graft {
+        op: "aten::_softmax_backward_data",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::_log_softmax_backward_data",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &softmax::cpu::LOG_SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::_softmax",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::SOFTMAX,
+    },
+    Graft {
+        op: "aten::_log_softmax",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::LOG_SOFTMAX,
+    },
+    Graft {
+        op: "aten::_softmax_backward_data",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::_log_softmax_backward_data",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &softmax::cuda::LOG_SOFTMAX_BACKWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &layer_norm::cpu::FORWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm_backward",
+        dispatch_key: "CPU",
+        holder: Holder::Cpu,
+        counters: &layer_norm::cpu::BACKWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &layer_norm::cuda::FORWARD,
+    },
+    Graft {
+        op: "aten::native_layer_norm_backward",
+        dispatch_key: "CUDA",
+        holder: Holder::Cuda,
+        counters: &layer_norm::cuda::BACKWARD,
+    },
 ];
 
 /// The registrations that [`enable`] makes and [`disable`] removes.
@@ -164,11 +238,15 @@ pub fn enable() -> Result<()> {
     let mut cpu = Library::implementations(c"aten", c"CPU")?;
     cpu.register::<rms_norm::cpu::ForwardCpu>(c"_fused_rms_norm")?;
     adam::register::<adam::cpu::Cpu>(&mut cpu)?;
+    softmax::cpu::register(&mut cpu)?;
+    layer_norm::cpu::register(&mut cpu)?;
     let cuda = if cuda_status().is_ok() {
         let mut cuda = Library::implementations(c"aten", c"CUDA")?;
         cuda.register::<rms_norm::cuda::ForwardCuda>(c"_fused_rms_norm")?;
         cuda.register::<rms_norm::cuda::BackwardCuda>(c"_fused_rms_norm_backward")?;
         adam::register::<adam::cuda::Cuda>(&mut cuda)?;
+        softmax::cuda::register(&mut cuda)?;
+        layer_norm::cuda::register(&mut cuda)?;
         Some(cuda)
     } else {
         None

@@ -848,3 +848,100 @@ impl Avx2 {
         unsafe { run(c, chunk) }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Softmax / log-softmax (crate::softmax): the tasks compiled for each token, so that their loops
+// (exponentials included, crate::exp) vectorize.
+
+macro_rules! softmax_entry_points {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// [`crate::softmax::run_forward`] compiled for this token's features.
+            pub(crate) fn softmax_forward<T: crate::softmax::SoftmaxFloat>(
+                self,
+                kind: crate::softmax::Kind,
+                cv: crate::softmax::Convert<T>,
+                task: crate::softmax::ForwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::softmax::SoftmaxFloat>(
+                    kind: crate::softmax::Kind,
+                    cv: crate::softmax::Convert<T>,
+                    task: crate::softmax::ForwardTask<'_, T>,
+                ) {
+                    crate::softmax::run_forward::<T, true>(kind, cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(kind, cv, task) }
+            }
+
+            /// [`crate::softmax::run_backward`] compiled for this token's features.
+            pub(crate) fn softmax_backward<T: crate::softmax::SoftmaxFloat>(
+                self,
+                kind: crate::softmax::Kind,
+                cv: crate::softmax::Convert<T>,
+                task: crate::softmax::BackwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::softmax::SoftmaxFloat>(
+                    kind: crate::softmax::Kind,
+                    cv: crate::softmax::Convert<T>,
+                    task: crate::softmax::BackwardTask<'_, T>,
+                ) {
+                    crate::softmax::run_backward::<T, true>(kind, cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(kind, cv, task) }
+            }
+        }
+    };
+}
+
+softmax_entry_points!(Avx2, "avx2,fma,f16c");
+softmax_entry_points!(Avx512, "avx512f,avx2,fma,f16c");
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm (crate::layer_norm): the tasks compiled for each token, so that their loops vectorize.
+
+macro_rules! layer_norm_entry_points {
+    ($token:ident, $features:literal) => {
+        impl $token {
+            /// [`crate::layer_norm::run_forward`] compiled for this token's features.
+            pub(crate) fn layer_norm_forward<T: crate::layer_norm::NormFloat>(
+                self,
+                cv: crate::elem::Convert<T>,
+                task: crate::layer_norm::ForwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::layer_norm::NormFloat>(
+                    cv: crate::elem::Convert<T>,
+                    task: crate::layer_norm::ForwardTask<'_, T>,
+                ) {
+                    crate::layer_norm::run_forward(cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(cv, task) }
+            }
+
+            /// [`crate::layer_norm::run_backward`] compiled for this token's features.
+            pub(crate) fn layer_norm_backward<T: crate::layer_norm::NormFloat>(
+                self,
+                cv: crate::elem::Convert<T>,
+                task: crate::layer_norm::BackwardTask<'_, T>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn run<T: crate::layer_norm::NormFloat>(
+                    cv: crate::elem::Convert<T>,
+                    task: crate::layer_norm::BackwardTask<'_, T>,
+                ) {
+                    crate::layer_norm::run_backward(cv, task)
+                }
+                // SAFETY: `self` proves the CPU has `$features`.
+                unsafe { run(cv, task) }
+            }
+        }
+    };
+}
+
+layer_norm_entry_points!(Avx2, "avx2,fma,f16c");
+layer_norm_entry_points!(Avx512, "avx512f,avx2,fma,f16c");

@@ -1,0 +1,535 @@
+//! LayerNorm launches (kernels/layer_norm.cu): validation, the choice of kernel and launch
+//! shape, the launches.
+//!
+//! Rows that fit a row group's registers take the rows kernels (forward up to 4096 units of
+//! 16 bytes, backward up to 2048 (f32) or 1024 (16-bit)); wider rows the loop kernels. The
+//! backward runs a persistent grid of at most [`BWD_MAX_BLOCKS_PER_SM`] blocks per SM, each
+//! writing one partial row of dw and db to the workspace, and the finalize kernel sums them
+//! in block order.
+
+use crate::config::{
+    blocks_per_sm, choose_rows, rows_per_block, DeviceLimits, KernelAttrs, MAX_GRID,
+};
+use crate::device;
+use crate::error::CudaError;
+use crate::launch::{index_of, launch_named, NamedLaunch};
+use crate::DType;
+
+/// Arguments of [`layer_norm_forward`]: contiguous `rows x cols` `x` and `y`, parameters of
+/// `cols` values of `dtype` (0: absent), `mean` and `rstd` of `rows` values of the
+/// accumulation dtype. Pointers are device addresses in `device`'s primary context.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerNormForward {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Dtype of `x`, `y`, the weight and the bias.
+    pub dtype: DType,
+    /// Input.
+    pub x: u64,
+    /// Weight, or 0.
+    pub weight: u64,
+    /// Bias, or 0.
+    pub bias: u64,
+    /// Output.
+    pub y: u64,
+    /// Output: the rows' means.
+    pub mean: u64,
+    /// Output: the rows' reciprocal standard deviations.
+    pub rstd: u64,
+    /// Rows (>= 1).
+    pub rows: usize,
+    /// Columns (>= 1).
+    pub cols: usize,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+/// Arguments of [`layer_norm_backward`].
+#[derive(Clone, Copy, Debug)]
+pub struct LayerNormBackward {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Dtype of `dy`, `x`, `dx`, the weight, `dw` and `db`.
+    pub dtype: DType,
+    /// Gradient of the output.
+    pub dy: u64,
+    /// The forward's input.
+    pub x: u64,
+    /// The forward's means (accumulation dtype).
+    pub mean: u64,
+    /// The forward's rstd (accumulation dtype).
+    pub rstd: u64,
+    /// The weight, or 0.
+    pub weight: u64,
+    /// Output: gradient of `x`, if wanted.
+    pub dx: Option<u64>,
+    /// Output: gradient of the weight (`cols`), if wanted.
+    pub dw: Option<u64>,
+    /// Output: gradient of the bias (`cols`), if wanted.
+    pub db: Option<u64>,
+    /// Device scratch for the partial rows (16-byte aligned), with dw or db.
+    pub workspace: u64,
+    /// Bytes at `workspace`; see [`layer_norm_backward_workspace_bytes`].
+    pub workspace_bytes: usize,
+    /// Rows (>= 1).
+    pub rows: usize,
+    /// Columns (>= 1).
+    pub cols: usize,
+}
+
+/// `graft_layer_norm::Params` (every field 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct LayerNormParams {
+    x: u64,
+    w: u64,
+    b: u64,
+    y: u64,
+    mean: u64,
+    rstd: u64,
+    dy: u64,
+    dx: u64,
+    partial: u64,
+    rows: i64,
+    cols: i64,
+    tpr: i64,
+    rpb: i64,
+    vec: i64,
+    eps: f64,
+    inv_cols: f64,
+}
+
+/// `graft_layer_norm::FinalizeParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct FinalizeParams {
+    partial: u64,
+    dw: u64,
+    db: u64,
+    nparts: i64,
+    cols: i64,
+}
+
+/// Backward grids hold at most this many blocks per SM (bounding the workspace).
+pub const BWD_MAX_BLOCKS_PER_SM: u32 = 4;
+/// Block size of the loop kernels (`kLoopThreads`).
+const LOOP_THREADS: u32 = 512;
+/// Threads per block the forward rows kernels aim for, and the backward's.
+const FWD_TARGET_BLOCK: u32 = 256;
+const BWD_TARGET_BLOCK: u32 = 512;
+/// Shared memory the backward rows kernels may use to add their row groups.
+const BWD_ROWS_SMEM_LIMIT: u64 = 48 * 1024;
+
+/// (V, maximum threads per block) of the rows kernels: the launch bounds of
+/// kernels/layer_norm.cu (`RowsBounds`).
+fn rows_table(backward: bool, elem: u64, vec: bool) -> &'static [(u32, u32)] {
+    match (backward, elem, vec) {
+        (false, 4, true) => &[(1, 1024), (2, 1024), (4, 1024), (8, 256)],
+        (false, _, true) => &[(1, 1024), (2, 1024), (4, 512), (8, 256)],
+        (false, _, false) => &[(1, 1024), (2, 512)],
+        (true, 2, true) => &[(1, 512), (2, 256), (4, 256)],
+        (true, 2, false) => &[(1, 512), (2, 256)],
+        (true, 4, false) => &[(1, 1024), (2, 256)],
+        (true, _, true) => &[(1, 1024), (2, 512), (4, 256)],
+        (true, _, false) => &[(1, 1024), (2, 512)],
+    }
+}
+
+fn dtype_tag(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+    }
+}
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+/// Which kernel a launch uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Body {
+    Rows { v: u32, vec: bool },
+    Loop,
+}
+
+fn name(dir: &str, body: Body, dtype: DType) -> String {
+    let dt = dtype_tag(dtype);
+    match body {
+        Body::Rows { v, vec } => {
+            let kind = if vec { 'v' } else { 's' };
+            format!("graft_ln_{dir}_rows_{kind}{v}_{dt}")
+        }
+        Body::Loop => format!("graft_ln_{dir}_loop_{dt}"),
+    }
+}
+
+/// Entry points of kernels/layer_norm.cu, for the kernel table.
+pub(crate) fn kernel_names() -> Vec<String> {
+    let mut out = Vec::new();
+    for dtype in DTYPES {
+        for (dir, backward) in [("fwd", false), ("bwd", true)] {
+            for vec in [true, false] {
+                // The kernels are instantiated for every dtype with the same V sets.
+                for &(v, _) in rows_table(backward, 4, vec) {
+                    out.push(name(dir, Body::Rows { v, vec }, dtype));
+                }
+            }
+            out.push(name(dir, Body::Loop, dtype));
+        }
+        out.push(format!("graft_ln_finalize_{}", dtype_tag(dtype)));
+    }
+    out
+}
+
+/// The problem as the planner sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Problem {
+    pub backward: bool,
+    pub elem: u64,
+    /// Bytes of the accumulation type.
+    pub acc: u64,
+    pub rows: u64,
+    pub cols: u64,
+    pub vec: bool,
+    /// Backward: dw or db wanted.
+    pub sums: bool,
+}
+
+/// A launch's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub body: Body,
+    pub grid: u32,
+    pub block: u32,
+    pub smem: u32,
+    pub tpr: u32,
+    pub rpb: u32,
+}
+
+/// The launch for `p`; `attrs(body)` gives the chosen kernel's compiled attributes.
+pub(crate) fn plan(p: &Problem, lim: &DeviceLimits, attrs: &dyn Fn(Body) -> KernelAttrs) -> Plan {
+    let nunits = p.cols.div_ceil(16 / p.elem);
+    let table = rows_table(p.backward, p.elem, p.vec);
+    let pref = if p.backward { 2 } else { 4 };
+    let target = if p.backward {
+        BWD_TARGET_BLOCK
+    } else {
+        FWD_TARGET_BLOCK
+    };
+    let mut plan = match choose_rows(nunits, table, pref, None) {
+        Some(s) => {
+            let mut rpb = rows_per_block(s.tpr, target, s.max_threads, p.rows);
+            let smem = |rpb: u32| {
+                let units = u64::from(rpb - 1) * u64::from(s.v) * (16 / p.elem) * u64::from(s.tpr);
+                units * 2 * p.acc
+            };
+            let per_warp = if s.tpr < 32 { 32 / s.tpr } else { 1 };
+            let mut bytes = 0;
+            if p.backward && p.sums {
+                while rpb > per_warp && smem(rpb) > BWD_ROWS_SMEM_LIMIT {
+                    rpb -= per_warp;
+                }
+                bytes = smem(rpb);
+            }
+            Plan {
+                body: Body::Rows { v: s.v, vec: p.vec },
+                grid: p.rows.div_ceil(u64::from(rpb)).clamp(1, MAX_GRID) as u32,
+                block: s.tpr * rpb,
+                smem: bytes as u32,
+                tpr: s.tpr,
+                rpb,
+            }
+        }
+        None => Plan {
+            body: Body::Loop,
+            grid: p.rows.clamp(1, MAX_GRID) as u32,
+            block: LOOP_THREADS,
+            smem: 0,
+            tpr: LOOP_THREADS,
+            rpb: 1,
+        },
+    };
+    let per_sm = blocks_per_sm(lim, &attrs(plan.body), plan.block, u64::from(plan.smem));
+    let cap = if p.backward {
+        // Persistent: as many blocks as fit at once, at most BWD_MAX_BLOCKS_PER_SM per SM.
+        per_sm.clamp(1, BWD_MAX_BLOCKS_PER_SM)
+    } else if plan.body == Body::Loop {
+        per_sm.max(1) * 4
+    } else {
+        u32::MAX / lim.sms.max(1)
+    };
+    let max_grid = u64::from(lim.sms) * u64::from(cap);
+    plan.grid = u64::from(plan.grid).min(max_grid).clamp(1, MAX_GRID) as u32;
+    plan
+}
+
+fn check_ptr(name: &str, p: u64, align: usize) -> Result<(), CudaError> {
+    if p == 0 || !p.is_multiple_of(align as u64) {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: layer_norm: {name} (0x{p:x}) is null or not aligned to {align} bytes"
+        )));
+    }
+    Ok(())
+}
+
+fn check_shape(rows: usize, cols: usize, dtype: DType) -> Result<(), CudaError> {
+    let bytes = (rows as u64)
+        .checked_mul(cols as u64)
+        .and_then(|n| n.checked_mul(dtype.size() as u64));
+    if rows == 0 || cols == 0 || bytes.is_none_or(|b| b > i64::MAX as u64) {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: layer_norm needs 1 <= rows x cols of addressable size (got {rows} x {cols})"
+        )));
+    }
+    Ok(())
+}
+
+fn vectorizable(ptrs: &[u64], cols: usize, dtype: DType) -> bool {
+    (cols * dtype.size()).is_multiple_of(16) && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+fn attrs_for<'a>(
+    st: &'a device::DeviceState,
+    dir: &'a str,
+    dtype: DType,
+) -> impl Fn(Body) -> KernelAttrs + 'a {
+    move |body| {
+        index_of(&name(dir, body, dtype))
+            .map(|i| st.attrs[i])
+            .unwrap_or(KernelAttrs {
+                regs: 255,
+                static_smem: 0,
+                max_threads: 256,
+            })
+    }
+}
+
+/// LayerNorm forward: writes `y`, `mean` and `rstd`.
+pub fn layer_norm_forward(a: &LayerNormForward) -> Result<(), CudaError> {
+    check_shape(a.rows, a.cols, a.dtype)?;
+    let size = a.dtype.size();
+    check_ptr("x", a.x, size)?;
+    check_ptr("y", a.y, size)?;
+    check_ptr("mean", a.mean, a.dtype.acc().size())?;
+    check_ptr("rstd", a.rstd, a.dtype.acc().size())?;
+    for (n, p) in [("weight", a.weight), ("bias", a.bias)] {
+        if p != 0 {
+            check_ptr(n, p, size)?;
+        }
+    }
+    let ptrs = [a.x, a.y, a.weight, a.bias];
+    let st = device::state(a.device)?;
+    let problem = Problem {
+        backward: false,
+        elem: size as u64,
+        acc: a.dtype.acc().size() as u64,
+        rows: a.rows as u64,
+        cols: a.cols as u64,
+        vec: vectorizable(&ptrs, a.cols, a.dtype),
+        sums: false,
+    };
+    let pl = plan(&problem, &st.limits, &attrs_for(st, "fwd", a.dtype));
+    let mut params = LayerNormParams {
+        x: a.x,
+        w: a.weight,
+        b: a.bias,
+        y: a.y,
+        mean: a.mean,
+        rstd: a.rstd,
+        rows: a.rows as i64,
+        cols: a.cols as i64,
+        tpr: i64::from(pl.tpr),
+        rpb: i64::from(pl.rpb),
+        vec: i64::from(problem.vec),
+        eps: a.eps,
+        inv_cols: 1.0 / a.cols as f64,
+        ..LayerNormParams::default()
+    };
+    let kernel = name("fwd", pl.body, a.dtype);
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &kernel,
+        grid: pl.grid,
+        block: pl.block,
+        smem: pl.smem,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// Bytes of device scratch [`layer_norm_backward`] needs for dw and db (0 without them): one
+/// partial row of `2 * cols` accumulation-type values per block of the largest grid.
+pub fn layer_norm_backward_workspace_bytes(
+    device: i32,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    sums: bool,
+) -> Result<usize, CudaError> {
+    if !sums {
+        return Ok(0);
+    }
+    let sms = device::state(device)?.limits.sms;
+    let grid = (u64::from(sms) * u64::from(BWD_MAX_BLOCKS_PER_SM)).min(rows as u64);
+    grid.checked_mul(2 * cols as u64)
+        .and_then(|n| n.checked_mul(dtype.acc().size() as u64))
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| CudaError::invalid("graft-cuda: layer_norm workspace size overflows"))
+}
+
+/// LayerNorm backward: writes whichever of `dx`, `dw` and `db` are given.
+pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<(), CudaError> {
+    check_shape(a.rows, a.cols, a.dtype)?;
+    let size = a.dtype.size();
+    check_ptr("dy", a.dy, size)?;
+    check_ptr("x", a.x, size)?;
+    check_ptr("mean", a.mean, a.dtype.acc().size())?;
+    check_ptr("rstd", a.rstd, a.dtype.acc().size())?;
+    for (n, p) in [
+        ("weight", Some(a.weight).filter(|&w| w != 0)),
+        ("dx", a.dx),
+        ("dw", a.dw),
+        ("db", a.db),
+    ] {
+        if let Some(p) = p {
+            check_ptr(n, p, size)?;
+        }
+    }
+    let sums = a.dw.is_some() || a.db.is_some();
+    if a.dx.is_none() && !sums {
+        return Ok(());
+    }
+    let needed = layer_norm_backward_workspace_bytes(a.device, a.dtype, a.rows, a.cols, sums)?;
+    if sums {
+        check_ptr("workspace", a.workspace, 16)?;
+        if a.workspace_bytes < needed {
+            return Err(CudaError::invalid(format!(
+                "graft-cuda: layer_norm workspace of {} bytes, {needed} needed",
+                a.workspace_bytes
+            )));
+        }
+    }
+    let ptrs = [a.dy, a.x, a.dx.unwrap_or(0), a.weight];
+    let st = device::state(a.device)?;
+    let problem = Problem {
+        backward: true,
+        elem: size as u64,
+        acc: a.dtype.acc().size() as u64,
+        rows: a.rows as u64,
+        cols: a.cols as u64,
+        vec: vectorizable(&ptrs, a.cols, a.dtype),
+        sums,
+    };
+    let pl = plan(&problem, &st.limits, &attrs_for(st, "bwd", a.dtype));
+    let partial = if sums { a.workspace } else { 0 };
+    let mut params = LayerNormParams {
+        x: a.x,
+        w: a.weight,
+        mean: a.mean,
+        rstd: a.rstd,
+        dy: a.dy,
+        dx: a.dx.unwrap_or(0),
+        partial,
+        rows: a.rows as i64,
+        cols: a.cols as i64,
+        tpr: i64::from(pl.tpr),
+        rpb: i64::from(pl.rpb),
+        vec: i64::from(problem.vec),
+        inv_cols: 1.0 / a.cols as f64,
+        ..LayerNormParams::default()
+    };
+    let kernel = name("bwd", pl.body, a.dtype);
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &kernel,
+        grid: pl.grid,
+        block: pl.block,
+        smem: pl.smem,
+    };
+    launch_named(&launch, &mut params)?;
+    if !sums {
+        return Ok(());
+    }
+    let mut fin = FinalizeParams {
+        partial,
+        dw: a.dw.unwrap_or(0),
+        db: a.db.unwrap_or(0),
+        nparts: i64::from(pl.grid),
+        cols: a.cols as i64,
+    };
+    let fname = format!("graft_ln_finalize_{}", dtype_tag(a.dtype));
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &fname,
+        grid: (a.cols as u64).div_ceil(32).min(MAX_GRID) as u32,
+        block: 256,
+        smem: 0,
+    };
+    launch_named(&launch, &mut fin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attrs(_: Body) -> KernelAttrs {
+        KernelAttrs {
+            regs: 64,
+            static_smem: 512,
+            max_threads: 1024,
+        }
+    }
+
+    fn problem(backward: bool, elem: u64, rows: u64, cols: u64) -> Problem {
+        Problem {
+            backward,
+            elem,
+            acc: 4,
+            rows,
+            cols,
+            vec: true,
+            sums: true,
+        }
+    }
+
+    #[test]
+    fn params_match_the_cuda_structs() {
+        assert_eq!(std::mem::size_of::<LayerNormParams>(), 16 * 8);
+        assert_eq!(std::mem::size_of::<FinalizeParams>(), 5 * 8);
+    }
+
+    #[test]
+    fn names_are_unique() {
+        let mut names = kernel_names();
+        let n = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), n);
+        assert_eq!(n, 4 * (6 + 5 + 2 + 1));
+        assert!(names.contains(&"graft_ln_bwd_rows_s2_bf16".to_string()));
+    }
+
+    #[test]
+    fn hidden_4096_to_8192_fit_the_rows_kernels() {
+        let lim = DeviceLimits::H100;
+        for cols in [4096, 8192] {
+            let pl = plan(&problem(false, 2, 8192, cols), &lim, &attrs);
+            assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
+            let pl = plan(&problem(true, 2, 8192, cols), &lim, &attrs);
+            assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
+            assert!(pl.grid <= lim.sms * BWD_MAX_BLOCKS_PER_SM);
+            assert!(u64::from(pl.smem) <= BWD_ROWS_SMEM_LIMIT);
+        }
+        // Beyond the registers: the loop kernels.
+        let pl = plan(&problem(true, 2, 10, 20000), &lim, &attrs);
+        assert_eq!(pl.body, Body::Loop);
+        assert!(pl.grid <= 10);
+    }
+}

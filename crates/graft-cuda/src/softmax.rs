@@ -1,0 +1,539 @@
+//! Softmax and log-softmax launches (kernels/softmax.cu): validation, the choice of kernel
+//! and launch shape, the launch.
+//!
+//! `inner == 1` (the reduced dim is the last of the contiguous tensor): the rows kernels when a
+//! row fits in a row group's registers (forward up to 4096 units of 16 bytes, backward 2048),
+//! else the loop kernel, which stages the row in shared memory when it fits (one read from
+//! memory) and otherwise reads it twice, with the grid sized so that the second read finds
+//! the row in L2. `inner > 1`: the cols kernels.
+
+use crate::config::{blocks_per_sm, choose_rows, rows_per_block, MAX_GRID};
+use crate::device;
+use crate::error::CudaError;
+use crate::launch::{index_of, launch_named, NamedLaunch};
+use crate::DType;
+
+/// Arguments of [`softmax_forward`]: contiguous `outer x dim x inner` tensors, reduced over
+/// `dim`. Pointers are device addresses in `device`'s primary context.
+#[derive(Clone, Copy, Debug)]
+pub struct SoftmaxForward {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Log-softmax instead of softmax.
+    pub log: bool,
+    /// Dtype of `x`.
+    pub input: DType,
+    /// Dtype of `y`: `input`, or F32 for an F16 input (`half_to_float`).
+    pub output: DType,
+    /// Input.
+    pub x: u64,
+    /// Output.
+    pub y: u64,
+    /// Product of the sizes before the reduced dim.
+    pub outer: usize,
+    /// Size of the reduced dim.
+    pub dim: usize,
+    /// Product of the sizes after it.
+    pub inner: usize,
+}
+
+/// Arguments of [`softmax_backward`], laid out like [`SoftmaxForward`]'s.
+#[derive(Clone, Copy, Debug)]
+pub struct SoftmaxBackward {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Log-softmax instead of softmax.
+    pub log: bool,
+    /// Dtype of `dy` and `y`.
+    pub grad: DType,
+    /// Dtype of `dx`: `grad`, or F16 for an F32 grad (the backward of `half_to_float`).
+    pub grad_input: DType,
+    /// Gradient of the output.
+    pub dy: u64,
+    /// The forward's output.
+    pub y: u64,
+    /// Output: gradient of the input.
+    pub dx: u64,
+    /// Product of the sizes before the reduced dim.
+    pub outer: usize,
+    /// Size of the reduced dim.
+    pub dim: usize,
+    /// Product of the sizes after it.
+    pub inner: usize,
+}
+
+/// `graft_softmax::Params` of kernels/softmax.cu (every field 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SoftmaxParams {
+    in0: u64,
+    in1: u64,
+    out: u64,
+    outer: i64,
+    dim: i64,
+    inner: i64,
+    tpr: i64,
+    rpb: i64,
+    vec: i64,
+    log: i64,
+    stage: i64,
+}
+
+/// (V, maximum threads per block) of the rows kernels by direction, input element size and
+/// vector (16-byte) or scalar access: the launch bounds of kernels/softmax.cu (`RowsBounds`).
+fn rows_table(backward: bool, elem: u64, vec: bool) -> &'static [(u32, u32)] {
+    match (backward, elem, vec) {
+        (false, 2, false) => &[(1, 1024), (2, 1024)],
+        (false, _, true) => &[(1, 1024), (2, 1024), (4, 1024), (8, 256)],
+        (false, _, false) => &[(1, 1024), (2, 512)],
+        (true, 4, true) => &[(1, 1024), (2, 512), (4, 1024), (8, 256)],
+        (true, 4, false) => &[(1, 512), (2, 1024)],
+        (true, 2, true) => &[(1, 512), (2, 1024), (4, 256)],
+        (true, 2, false) => &[(1, 1024), (2, 256)],
+        (true, _, true) => &[(1, 1024), (2, 256), (4, 256), (8, 256)],
+        (true, _, false) => &[(1, 1024), (2, 256)],
+    }
+}
+/// Preferred units per thread of the rows kernels.
+const PREF_V: u32 = 4;
+/// Threads per block the rows kernels aim for.
+const TARGET_BLOCK: u32 = 256;
+/// Block sizes of the loop kernels (`kFwdLoopThreads`, `kBwdLoopThreads`) and the most of the
+/// cols kernels (`kColsThreads`).
+const FWD_LOOP_THREADS: u32 = 1024;
+const BWD_LOOP_THREADS: u32 = 512;
+const COLS_THREADS: u32 = 256;
+/// Bytes of rows the unstaged loop kernel keeps in flight between its two reads, so that the
+/// second finds them in L2 (half of an A100's or H100's L2 or less).
+const L2_BUDGET: u64 = 24 << 20;
+
+/// Which kernel a launch uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Body {
+    /// Row in registers, `v` units per thread, 16-byte (`vec`) or scalar accesses.
+    Rows { v: u32, vec: bool },
+    /// One row per block, two passes.
+    Loop,
+    /// inner > 1.
+    Cols,
+}
+
+/// (direction, [(tag, input element size)]) of every kernel family.
+const DIRS: [(&str, &[(&str, u64)]); 2] = [
+    (
+        "fwd",
+        &[
+            ("f32", 4),
+            ("f64", 8),
+            ("f16", 2),
+            ("bf16", 2),
+            ("f16_f32", 2),
+        ],
+    ),
+    (
+        "bwd",
+        &[
+            ("f32", 4),
+            ("f64", 8),
+            ("f16", 2),
+            ("bf16", 2),
+            ("f32_f16", 4),
+        ],
+    ),
+];
+
+fn tag(a: DType, b: DType) -> Option<&'static str> {
+    Some(match (a, b) {
+        (DType::F32, DType::F32) => "f32",
+        (DType::F64, DType::F64) => "f64",
+        (DType::F16, DType::F16) => "f16",
+        (DType::BF16, DType::BF16) => "bf16",
+        (DType::F16, DType::F32) => "f16_f32",
+        (DType::F32, DType::F16) => "f32_f16",
+        _ => return None,
+    })
+}
+
+fn name(dir: &str, body: Body, tag: &str) -> String {
+    match body {
+        Body::Rows { v, vec } => {
+            let kind = if vec { 'v' } else { 's' };
+            format!("graft_softmax_{dir}_rows_{kind}{v}_{tag}")
+        }
+        Body::Loop => format!("graft_softmax_{dir}_loop_{tag}"),
+        Body::Cols => format!("graft_softmax_{dir}_cols_{tag}"),
+    }
+}
+
+/// Entry points of kernels/softmax.cu, for the kernel table.
+pub(crate) fn kernel_names() -> Vec<String> {
+    let mut out = Vec::new();
+    for (dir, tags) in DIRS {
+        for &(t, elem) in tags {
+            for vec in [true, false] {
+                for &(v, _) in rows_table(dir == "bwd", elem, vec) {
+                    out.push(name(dir, Body::Rows { v, vec }, t));
+                }
+            }
+            out.push(name(dir, Body::Loop, t));
+            out.push(name(dir, Body::Cols, t));
+        }
+    }
+    out
+}
+
+/// Whether kernel `name` may be given the device's whole shared memory (the loop kernels
+/// stage rows there).
+pub(crate) fn wants_large_smem(name: &str) -> bool {
+    name.starts_with("graft_softmax_fwd_loop_") || name.starts_with("graft_softmax_bwd_loop_")
+}
+
+fn check_ptr(name: &str, p: u64, dtype: DType) -> Result<(), CudaError> {
+    if p == 0 || !p.is_multiple_of(dtype.size() as u64) {
+        return Err(CudaError::invalid(format!(
+            "graft-cuda: softmax: {name} (0x{p:x}) is null or not aligned to its element size"
+        )));
+    }
+    Ok(())
+}
+
+fn check_shape(outer: usize, dim: usize, inner: usize, widest: DType) -> Result<u64, CudaError> {
+    let n = (outer as u64)
+        .checked_mul(dim as u64)
+        .and_then(|n| n.checked_mul(inner as u64));
+    match n.and_then(|n| n.checked_mul(widest.size() as u64)) {
+        Some(bytes) if bytes <= i64::MAX as u64 => Ok(n.unwrap_or(0)),
+        _ => Err(CudaError::invalid(format!(
+            "graft-cuda: softmax of {outer} x {dim} x {inner} is too large"
+        ))),
+    }
+}
+
+/// The problem as the planner sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Problem {
+    pub backward: bool,
+    /// Bytes per element of the input type (forward x, backward dy and y).
+    pub elem: u64,
+    pub outer: u64,
+    pub dim: u64,
+    pub inner: u64,
+    /// All pointers 16-byte aligned and rows a whole number of 16-byte units.
+    pub vec: bool,
+}
+
+/// A launch: the kernel, its shape, and the parameters it reads from them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub body: Body,
+    pub grid: u32,
+    pub block: u32,
+    pub smem: u32,
+    pub tpr: u32,
+    pub rpb: u32,
+    pub stage: bool,
+}
+
+/// What the planner needs of a device: SMs, and for the loop kernel (whose attributes are
+/// looked up by name) the blocks per SM and the shared memory it may stage in.
+pub(crate) struct DeviceView<'a> {
+    pub sms: u32,
+    /// (blocks per SM, bytes of dynamic shared memory available) of the loop kernel, for a
+    /// given dynamic shared memory size.
+    pub loop_fit: &'a dyn Fn(u64) -> (u32, u64),
+}
+
+pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
+    if p.inner > 1 {
+        let bx = p.inner.next_power_of_two().min(32);
+        let by = (u64::from(COLS_THREADS) / bx)
+            .min(p.dim.next_power_of_two())
+            .max(1);
+        let block = (bx * by) as u32;
+        let tiles = p.outer * p.inner.div_ceil(bx);
+        let per_sm = u64::from((2048 / block).max(1));
+        let grid = tiles.min(u64::from(dev.sms) * per_sm).clamp(1, MAX_GRID) as u32;
+        return Plan {
+            body: Body::Cols,
+            grid,
+            block,
+            smem: 0,
+            tpr: bx as u32,
+            rpb: by as u32,
+            stage: false,
+        };
+    }
+    let nunits = p.dim.div_ceil(16 / p.elem);
+    let table = rows_table(p.backward, p.elem, p.vec);
+    if let Some(s) = choose_rows(nunits, table, PREF_V, None) {
+        let rpb = rows_per_block(s.tpr, TARGET_BLOCK, s.max_threads, p.outer);
+        let sets = p.outer.div_ceil(u64::from(rpb));
+        return Plan {
+            body: Body::Rows { v: s.v, vec: p.vec },
+            grid: sets.clamp(1, MAX_GRID) as u32,
+            block: s.tpr * rpb,
+            smem: 0,
+            tpr: s.tpr,
+            rpb,
+            stage: false,
+        };
+    }
+    let arrays = if p.backward { 2 } else { 1 };
+    let stage_bytes = nunits * 16 * arrays;
+    let (_, room) = (dev.loop_fit)(0);
+    let stage = stage_bytes <= room;
+    let smem = if stage { stage_bytes } else { 0 };
+    let (per_sm, _) = (dev.loop_fit)(smem);
+    let threads = if p.backward {
+        BWD_LOOP_THREADS
+    } else {
+        FWD_LOOP_THREADS
+    };
+    let mut grid = (u64::from(dev.sms) * u64::from(per_sm.max(1))).min(p.outer);
+    if !stage {
+        let row_bytes = p.dim * p.elem * arrays;
+        let in_l2 = (L2_BUDGET / row_bytes.max(1)).max(u64::from(dev.sms) / 2);
+        grid = grid.min(in_l2);
+    }
+    Plan {
+        body: Body::Loop,
+        grid: grid.clamp(1, MAX_GRID) as u32,
+        block: threads,
+        smem: smem as u32,
+        tpr: threads,
+        rpb: 1,
+        stage,
+    }
+}
+
+fn run(
+    dir: &str,
+    (device_id, stream): (i32, usize),
+    tag: &str,
+    problem: Problem,
+    mut params: SoftmaxParams,
+) -> Result<(), CudaError> {
+    let st = device::state(device_id)?;
+    let loop_name = name(dir, Body::Loop, tag);
+    let loop_attrs = st.attrs[index_of(&loop_name)?];
+    let limits = st.limits;
+    let threads = if problem.backward {
+        BWD_LOOP_THREADS
+    } else {
+        FWD_LOOP_THREADS
+    };
+    let fit = |smem: u64| {
+        let per_sm = blocks_per_sm(&limits, &loop_attrs, threads, smem);
+        let room = u64::from(limits.smem_per_block_optin)
+            .saturating_sub(u64::from(loop_attrs.static_smem));
+        (per_sm, room)
+    };
+    let pl = plan(
+        &problem,
+        &DeviceView {
+            sms: limits.sms,
+            loop_fit: &fit,
+        },
+    );
+    params.tpr = i64::from(pl.tpr);
+    params.rpb = i64::from(pl.rpb);
+    params.vec = i64::from(problem.vec);
+    params.stage = i64::from(pl.stage);
+    let kernel = name(dir, pl.body, tag);
+    let launch = NamedLaunch {
+        device: device_id,
+        stream,
+        name: &kernel,
+        grid: pl.grid,
+        block: pl.block,
+        smem: pl.smem,
+    };
+    launch_named(&launch, &mut params)
+}
+
+fn vectorizable(ptrs: &[u64], dim: usize, elem: usize) -> bool {
+    (dim * elem).is_multiple_of(16) && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+/// Softmax (or log-softmax) of `a.x` into `a.y` on `a.stream`; nothing is launched for an
+/// empty tensor.
+pub fn softmax_forward(a: &SoftmaxForward) -> Result<(), CudaError> {
+    let tag = tag(a.input, a.output)
+        .filter(|t| *t != "f32_f16")
+        .ok_or_else(|| {
+            CudaError::invalid(format!(
+                "graft-cuda: softmax from {:?} to {:?} is not supported",
+                a.input, a.output
+            ))
+        })?;
+    if check_shape(a.outer, a.dim, a.inner, a.output)? == 0 {
+        return Ok(());
+    }
+    check_ptr("x", a.x, a.input)?;
+    check_ptr("y", a.y, a.output)?;
+    let problem = Problem {
+        backward: false,
+        elem: a.input.size() as u64,
+        outer: a.outer as u64,
+        dim: a.dim as u64,
+        inner: a.inner as u64,
+        vec: vectorizable(&[a.x, a.y], a.dim, a.input.size()),
+    };
+    let params = SoftmaxParams {
+        in0: a.x,
+        out: a.y,
+        outer: a.outer as i64,
+        dim: a.dim as i64,
+        inner: a.inner as i64,
+        log: i64::from(a.log),
+        ..SoftmaxParams::default()
+    };
+    run("fwd", (a.device, a.stream), tag, problem, params)
+}
+
+/// The gradient of softmax (or log-softmax) into `a.dx` on `a.stream`; nothing is launched
+/// for an empty tensor.
+pub fn softmax_backward(a: &SoftmaxBackward) -> Result<(), CudaError> {
+    let tag = tag(a.grad, a.grad_input)
+        .filter(|t| *t != "f16_f32")
+        .ok_or_else(|| {
+            CudaError::invalid(format!(
+                "graft-cuda: softmax backward from {:?} to {:?} is not supported",
+                a.grad, a.grad_input
+            ))
+        })?;
+    if check_shape(a.outer, a.dim, a.inner, a.grad)? == 0 {
+        return Ok(());
+    }
+    check_ptr("dy", a.dy, a.grad)?;
+    check_ptr("y", a.y, a.grad)?;
+    check_ptr("dx", a.dx, a.grad_input)?;
+    let problem = Problem {
+        backward: true,
+        elem: a.grad.size() as u64,
+        outer: a.outer as u64,
+        dim: a.dim as u64,
+        inner: a.inner as u64,
+        vec: vectorizable(&[a.dy, a.y, a.dx], a.dim, a.grad.size()),
+    };
+    let params = SoftmaxParams {
+        in0: a.dy,
+        in1: a.y,
+        out: a.dx,
+        outer: a.outer as i64,
+        dim: a.dim as i64,
+        inner: a.inner as i64,
+        log: i64::from(a.log),
+        ..SoftmaxParams::default()
+    };
+    run("bwd", (a.device, a.stream), tag, problem, params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loop kernel that fits twice per SM, once with more than 100 KB of staging.
+    fn view(room: u64) -> impl Fn(u64) -> (u32, u64) {
+        move |smem| (if smem > 100_000 { 1 } else { 2 }, room)
+    }
+
+    fn problem(backward: bool, elem: u64, outer: u64, dim: u64, inner: u64) -> Problem {
+        Problem {
+            backward,
+            elem,
+            outer,
+            dim,
+            inner,
+            vec: true,
+        }
+    }
+
+    #[test]
+    fn params_match_the_cuda_struct() {
+        assert_eq!(std::mem::size_of::<SoftmaxParams>(), 11 * 8);
+    }
+
+    #[test]
+    fn names_cover_every_variant() {
+        let names = kernel_names();
+        // Forward: 4 vector + 2 scalar rows kernels, loop, cols for 5 type pairs; backward the
+        // same, less V = 8 for the two 16-bit pairs.
+        assert_eq!(names.len(), 5 * 8 + 5 * 8 - 2);
+        assert!(names.contains(&"graft_softmax_fwd_rows_v8_f16_f32".to_string()));
+        assert!(names.contains(&"graft_softmax_bwd_rows_s2_f32_f16".to_string()));
+        assert!(!names.contains(&"graft_softmax_bwd_rows_v8_bf16".to_string()));
+        assert!(names.contains(&"graft_softmax_bwd_cols_f32_f16".to_string()));
+        assert!(wants_large_smem("graft_softmax_bwd_loop_bf16"));
+        assert!(!wants_large_smem("graft_softmax_bwd_rows_v1_bf16"));
+    }
+
+    #[test]
+    fn rows_up_to_the_register_capacity_then_the_loop_kernel() {
+        let fit = view(227 * 1024);
+        let dev = DeviceView {
+            sms: 132,
+            loop_fit: &fit,
+        };
+        // 4096 bf16 = 512 units: V=4, 128 threads per row, two rows per block.
+        let pl = plan(&problem(false, 2, 1000, 4096, 1), &dev);
+        let rows4 = Body::Rows { v: 4, vec: true };
+        assert_eq!((pl.body, pl.tpr, pl.rpb), (rows4, 128, 2));
+        // 32768 bf16 = 4096 units: V=4 x 1024 threads, the register limit.
+        let pl = plan(&problem(false, 2, 10, 32768, 1), &dev);
+        assert_eq!((pl.body, pl.tpr, pl.block), (rows4, 1024, 1024));
+        // Beyond: the loop kernel, staged while the row fits in shared memory.
+        let pl = plan(&problem(false, 2, 10, 65536, 1), &dev);
+        assert_eq!((pl.body, pl.stage, pl.smem), (Body::Loop, true, 131072));
+        let pl = plan(&problem(false, 4, 1000, 131072, 1), &dev);
+        assert_eq!((pl.body, pl.stage), (Body::Loop, false));
+        // 512 KB rows: 48 in flight would fit the L2 budget; half the SMs at least.
+        assert_eq!(pl.grid, 66);
+        // Backward holds two rows: 16384 bf16 is its register limit.
+        let pl = plan(&problem(true, 2, 10, 16384, 1), &dev);
+        assert!(matches!(pl.body, Body::Rows { .. }));
+        let pl = plan(&problem(true, 2, 10, 16392, 1), &dev);
+        assert_eq!(pl.body, Body::Loop);
+        // Scalar accesses (an odd width): fewer units per thread, the loop kernel sooner.
+        let mut odd = problem(false, 2, 10, 16383, 1);
+        odd.vec = false;
+        let pl = plan(&odd, &dev);
+        assert_eq!(pl.body, Body::Rows { v: 2, vec: false });
+        odd.dim = 16385;
+        assert_eq!(plan(&odd, &dev).body, Body::Loop);
+    }
+
+    #[test]
+    fn small_widths_share_warps() {
+        let fit = view(227 * 1024);
+        let dev = DeviceView {
+            sms: 132,
+            loop_fit: &fit,
+        };
+        let pl = plan(&problem(false, 4, 5000, 10, 1), &dev);
+        assert!(matches!(pl.body, Body::Rows { .. }));
+        assert!(pl.tpr <= 4 && pl.block.is_multiple_of(32));
+        assert_eq!(pl.grid as u64, 5000u64.div_ceil(u64::from(pl.rpb)));
+    }
+
+    #[test]
+    fn columns_cover_inner_with_a_warp_and_slice_dim() {
+        let fit = view(227 * 1024);
+        let dev = DeviceView {
+            sms: 132,
+            loop_fit: &fit,
+        };
+        let pl = plan(&problem(false, 4, 8, 1000, 4096), &dev);
+        assert_eq!(
+            (pl.body, pl.tpr, pl.rpb, pl.block),
+            (Body::Cols, 32, 8, 256)
+        );
+        let pl = plan(&problem(false, 4, 3, 3, 5), &dev);
+        assert_eq!((pl.tpr, pl.rpb), (8, 4));
+        assert_eq!(pl.grid, 3);
+    }
+}

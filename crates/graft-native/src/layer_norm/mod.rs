@@ -1,0 +1,136 @@
+//! LayerNorm grafts: `aten::native_layer_norm` and `aten::native_layer_norm_backward`, at CPU
+//! and CUDA.
+//!
+//! What every device shares lives here: ATen's argument checks and messages
+//! (`_check_layer_norm_inputs`, CPU's mixed-dtype rules), the shape of mean and rstd (the batch
+//! dims, then a 1 per normalized dim), and small tensor helpers. Outputs are contiguous, as
+//! ATen's kernels and meta functions give them.
+
+pub mod cpu;
+pub mod cuda;
+
+use graft_abi::{ensure, DType, Device, NewTensor, Result, Tensor};
+
+use crate::layout::rstd_sizes;
+
+/// `(input, normalized_shape, weight, bias, eps)`.
+pub type ForwardArgs = (Tensor, Vec<i64>, Option<Tensor>, Option<Tensor>, f64);
+/// `(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)`.
+pub type BackwardArgs = (
+    Tensor,
+    Tensor,
+    Vec<i64>,
+    Tensor,
+    Tensor,
+    Option<Tensor>,
+    Option<Tensor>,
+    Vec<bool>,
+);
+
+/// Formats sizes the way c10 prints an IntArrayRef: `[3, 4]`.
+fn shape_text(sizes: &[i64]) -> String {
+    let items: Vec<String> = sizes.iter().map(i64::to_string).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// ATen's `_check_layer_norm_inputs`: `(rows, cols)` of a valid call, else its message.
+pub fn check_inputs(
+    input: &Tensor,
+    normalized_shape: &[i64],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    ensure!(
+        !normalized_shape.is_empty(),
+        "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one \
+         element, but got normalized_shape = {}",
+        shape_text(normalized_shape)
+    );
+    for (name, t) in [("weight", weight), ("bias", bias)] {
+        if let Some(t) = t {
+            ensure!(
+                t.sizes()? == normalized_shape,
+                "Expected {name} to be of same shape as normalized_shape, but got {name} of shape \
+                 {} and normalized_shape = {}",
+                shape_text(t.sizes()?),
+                shape_text(normalized_shape)
+            );
+        }
+    }
+    let sizes = input.sizes()?;
+    let batch = sizes.len().checked_sub(normalized_shape.len());
+    if batch.is_none_or(|b| &sizes[b..] != normalized_shape) {
+        let dims: String = normalized_shape.iter().map(|s| format!(", {s}")).collect();
+        return Err(graft_abi::Error::msg(format!(
+            "Given normalized_shape={}, expected input with shape [*{dims}], but got input of \
+             size{}",
+            shape_text(normalized_shape),
+            shape_text(sizes)
+        )));
+    }
+    let batch = batch.unwrap_or(0);
+    let product = |s: &[i64]| s.iter().map(|&v| v as usize).product::<usize>();
+    Ok((product(&sizes[..batch]), product(&sizes[batch..])))
+}
+
+/// Checks that `t` is on `device` (ATen's message for tensors on two devices).
+pub fn check_device(t: &Tensor, device: Device) -> Result<()> {
+    let d = t.device()?;
+    ensure!(
+        d == device,
+        "Expected all tensors to be on the same device, but found at least two devices, \
+         {device} and {d}!"
+    );
+    Ok(())
+}
+
+/// The message of a typed data access that finds another dtype.
+pub fn expect_dtype(want: DType, found: DType) -> Result<()> {
+    ensure!(
+        want == found,
+        "expected scalar type {want} but found {found}"
+    );
+    Ok(())
+}
+
+/// ATen's message for a dtype its dispatch macro does not cover (a NotImplementedError there).
+pub fn not_implemented(kernel: &str, dtype: DType) -> graft_abi::Error {
+    graft_abi::Error::msg(format!("\"{kernel}\" not implemented for '{dtype}'"))
+}
+
+/// The shape of mean and rstd: the batch dims, then a 1 per normalized dim.
+pub fn stat_sizes(input_sizes: &[i64], normalized_dims: usize) -> Vec<i64> {
+    rstd_sizes(input_sizes, normalized_dims)
+}
+
+/// `t` converted to `dtype` and made contiguous (`t` itself when it already is both).
+pub fn contiguous_as(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    crate::rms_norm::contiguous(&crate::rms_norm::to_dtype(t, dtype)?)
+}
+
+/// A tensor of `sizes` on `device` holding `value` everywhere (made on the CPU, then copied:
+/// the stable ABI cannot pass a Scalar to `aten::fill_`).
+pub fn filled(sizes: &[i64], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
+    let mut host = NewTensor::empty(sizes, DType::F64, Device::CPU)?;
+    host.as_mut_slice::<f64>()?.fill(value);
+    let out = NewTensor::empty(sizes, dtype, device)?.finish();
+    out.copy_from(&host.finish())?;
+    Ok(out)
+}
+
+/// The error ATen raises when a gradient is asked for a parameter that is absent (it allocates
+/// the gradient like the undefined parameter).
+pub fn missing_parameter() -> graft_abi::Error {
+    graft_abi::Error::msg("tensor does not have a device")
+}
+
+/// `output_mask` as three flags, with a message for a malformed list.
+pub fn mask3(mask: &[bool]) -> Result<[bool; 3]> {
+    match mask {
+        &[a, b, c] => Ok([a, b, c]),
+        _ => Err(graft_abi::Error::msg(format!(
+            "output_mask must hold 3 values (grad_input, grad_weight, grad_bias), got {}",
+            mask.len()
+        ))),
+    }
+}

@@ -1,0 +1,150 @@
+//! Softmax and log-softmax on CUDA: graft-cuda's kernels (kernels/softmax.cu), launched on
+//! PyTorch's current stream of the tensors' device, over a contiguous copy of any other layout
+//! (as ATen's CUDA kernels do).
+//!
+//! `half_to_float` (a float16 input, float32 output) and its backward (float32 grad and output,
+//! float16 grad_input) are computed by the kernels directly; errors follow ATen's CUDA kernels.
+
+use graft_abi::cuda::{current_stream, DeviceGuard};
+use graft_abi::{ensure, DType, Kernel, NewTensor, Result, Tensor};
+use graft_cuda::{SoftmaxBackward, SoftmaxForward};
+
+use super::{
+    check_same_size, counters, expect_dtype, geometry, grad_input_dtype, not_implemented, wrap_dim,
+    Backward, BackwardArgs, Forward, ForwardArgs, Kind, Which,
+};
+use crate::rms_norm::contiguous;
+use crate::stats::Counters;
+
+/// Calls of `aten::_softmax` at CUDA.
+pub static SOFTMAX: Counters = Counters::new();
+/// Calls of `aten::_log_softmax` at CUDA.
+pub static LOG_SOFTMAX: Counters = Counters::new();
+/// Calls of `aten::_softmax_backward_data` at CUDA.
+pub static SOFTMAX_BACKWARD: Counters = Counters::new();
+/// Calls of `aten::_log_softmax_backward_data` at CUDA.
+pub static LOG_SOFTMAX_BACKWARD: Counters = Counters::new();
+
+/// The CUDA device, as a type.
+pub struct Cuda;
+
+fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
+    match dtype {
+        DType::F32 => graft_cuda::DType::F32,
+        DType::F64 => graft_cuda::DType::F64,
+        DType::BF16 => graft_cuda::DType::BF16,
+        _ => graft_cuda::DType::F16,
+    }
+}
+
+fn ptr(t: &Tensor) -> Result<u64> {
+    Ok(t.data_ptr()? as u64)
+}
+
+fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
+    graft_abi::Error::msg(e.to_string())
+}
+
+impl<W: Which> Kernel for Forward<W, Cuda> {
+    type Args = ForwardArgs;
+    type Outputs = (Tensor,);
+
+    fn run((input, dim, half_to_float): ForwardArgs) -> Result<(Tensor,)> {
+        counters::<W>([&SOFTMAX, &LOG_SOFTMAX]).call();
+        let sizes = input.sizes()?;
+        let d = wrap_dim(dim, sizes.len())?;
+        let dtype = input.dtype()?;
+        let out_dtype = if half_to_float { DType::F32 } else { dtype };
+        ensure!(
+            !half_to_float || dtype == DType::F16,
+            "conversion is supported for Half type only"
+        );
+        let device = input.device()?;
+        let _guard = DeviceGuard::new(device.index)?;
+        let out = NewTensor::empty(sizes, out_dtype, device)?.finish();
+        if input.numel()? == 0 {
+            return Ok((out,));
+        }
+        if !dtype.is_float() {
+            return Err(not_implemented("host_softmax", dtype));
+        }
+        let shape = geometry(sizes, d);
+        let x = contiguous(&input)?;
+        graft_cuda::softmax_forward(&SoftmaxForward {
+            device: device.index,
+            stream: current_stream(device.index)? as usize,
+            log: W::KIND == Kind::LogSoftmax,
+            input: kernel_dtype(dtype),
+            output: kernel_dtype(out_dtype),
+            x: ptr(&x)?,
+            y: ptr(&out)?,
+            outer: shape.outer,
+            dim: shape.dim,
+            inner: shape.inner,
+        })
+        .map_err(cuda_error)?;
+        Ok((out,))
+    }
+}
+
+impl<W: Which> Kernel for Backward<W, Cuda> {
+    type Args = BackwardArgs;
+    type Outputs = (Tensor,);
+
+    fn run((grad, output, dim, input_dtype): BackwardArgs) -> Result<(Tensor,)> {
+        counters::<W>([&SOFTMAX_BACKWARD, &LOG_SOFTMAX_BACKWARD]).call();
+        check_same_size::<W>(&grad, &output)?;
+        let sizes = grad.sizes()?;
+        let d = wrap_dim(dim, sizes.len())?;
+        let dtype = grad.dtype()?;
+        ensure!(
+            dtype == input_dtype || (dtype == DType::F32 && input_dtype == DType::F16),
+            "expected input and grad types to match, or input to be at::Half and grad to be \
+             at::Float"
+        );
+        let out_dtype = grad_input_dtype(dtype, input_dtype);
+        let device = grad.device()?;
+        let _guard = DeviceGuard::new(device.index)?;
+        let out = NewTensor::empty(sizes, out_dtype, device)?.finish();
+        if grad.numel()? == 0 {
+            return Ok((out,));
+        }
+        if !out_dtype.is_float() {
+            return Err(not_implemented("host_softmax_backward", out_dtype));
+        }
+        // ATen reads grad and output as the grad's type (float32 under half_to_float).
+        expect_dtype(dtype, output.dtype()?)?;
+        let same_device = output.device()? == device;
+        ensure!(
+            same_device,
+            "Expected all tensors to be on the same device, but found at least two devices, \
+             {device} and {}!",
+            output.device()?
+        );
+        let shape = geometry(sizes, d);
+        let (dy, y) = (contiguous(&grad)?, contiguous(&output)?);
+        graft_cuda::softmax_backward(&SoftmaxBackward {
+            device: device.index,
+            stream: current_stream(device.index)? as usize,
+            log: W::KIND == Kind::LogSoftmax,
+            grad: kernel_dtype(dtype),
+            grad_input: kernel_dtype(out_dtype),
+            dy: ptr(&dy)?,
+            y: ptr(&y)?,
+            dx: ptr(&out)?,
+            outer: shape.outer,
+            dim: shape.dim,
+            inner: shape.inner,
+        })
+        .map_err(cuda_error)?;
+        Ok((out,))
+    }
+}
+
+/// Registers the four CUDA kernels in `lib` (an `aten` implementation library at CUDA).
+pub fn register(lib: &mut graft_abi::Library) -> Result<()> {
+    lib.register::<Forward<super::Softmax, Cuda>>(c"_softmax")?;
+    lib.register::<Forward<super::LogSoftmax, Cuda>>(c"_log_softmax")?;
+    lib.register::<Backward<super::Softmax, Cuda>>(c"_softmax_backward_data")?;
+    lib.register::<Backward<super::LogSoftmax, Cuda>>(c"_log_softmax_backward_data")
+}
