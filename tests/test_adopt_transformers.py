@@ -31,6 +31,15 @@ from torchgraft.adopt.report import ADOPTED, SKIPPED
 
 pytest.importorskip("transformers")
 
+
+@pytest.fixture(autouse=True)
+def _collect_dropped_models():
+    # A model adopted and dropped without unadopt releases its hold on a module-global function
+    # (RoPE) when it is collected; an adopted model refers to itself (its instance forwards),
+    # so that waits for the cyclic collector: run it, so no test starts with another's hold.
+    yield
+    gc.collect()
+
 FUSED_KINDS = ("gated_mlp", "rope", "causal_lm_loss")
 
 
