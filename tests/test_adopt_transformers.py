@@ -40,6 +40,7 @@ def _collect_dropped_models():
     yield
     gc.collect()
 
+
 FUSED_KINDS = ("gated_mlp", "rope", "causal_lm_loss")
 
 
