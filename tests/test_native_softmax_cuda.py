@@ -31,11 +31,22 @@ WIDTHS = [1, 7, 64, 1000, 1024, 4096, 5000, 8192, 16384, 16385, 32768, 65536, 13
 
 
 @pytest.fixture(autouse=True)
-def _clean_state():
+def _clean_state(monkeypatch):
+    # The CUDA softmax grafts are opt-in (slower than ATen at the widest rows; see
+    # docs/softmax_layer_norm.md).
+    monkeypatch.setenv("TORCHGRAFT_CUDA_SOFTMAX", "1")
     torchgraft.disable()
     torchgraft.reset_stats()
     yield
     torchgraft.disable()
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("TORCHGRAFT_CUDA_SOFTMAX")
+    x = torch.randn(4, 100, device="cuda")
+    with torchgraft.enabled():
+        torch.softmax(x, -1)
+    assert torchgraft.stats().get(key("softmax"), {"calls": 0})["calls"] == 0
 
 
 def key(op: str, backward: bool = False) -> str:
