@@ -3,9 +3,10 @@
 Importing torchgraft changes nothing and imports no kernel DSL. :func:`enable` (or the scoped
 ``with torchgraft.enabled():``) installs torchgraft's grafts; unchanged model code then runs them.
 :func:`register_op_override` grafts your own kernel, written in any DSL, the way ``torch._native``
-does on torch 2.13, on torch 2.11, 2.12 and 2.13+. :func:`adopt` routes a model's hand-written
-layers (RMSNorm, ...) to the operators torchgraft grafts, verified equal first; :func:`unadopt`
-undoes it.
+does on torch 2.13+, on every torch from 2.11 to 2.15. :func:`adopt` routes a model's
+hand-written layers (RMSNorm, gated MLPs, RoPE, the causal-LM head and loss) to the operators
+torchgraft grafts and to :mod:`torchgraft.functional`'s fused ops, verified equal first;
+:func:`unadopt` undoes it.
 """
 
 from torchgraft.adopt import AdoptionReport, adopt, unadopt
