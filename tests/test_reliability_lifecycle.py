@@ -4,6 +4,7 @@ nothing, switching retains no memory, first calls stay cheap, threads and fork a
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing
 import sys
 import threading
@@ -233,17 +234,27 @@ def test_enable_disable_cycles_retain_no_memory():
             torchgraft.enable()
             torchgraft.disable()
 
-    cycles(20)
+    cycles(200)  # past one-off growth (caches, torch.library's first registrations)
     gc.collect()
     tracemalloc.start()
     try:
-        first = tracemalloc.take_snapshot()
-        cycles(300)
-        gc.collect()
-        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(first, "filename"))
+        snapshots = [tracemalloc.take_snapshot()]
+        for _ in range(2):
+            cycles(500)
+            gc.collect()
+            snapshots.append(tracemalloc.take_snapshot())
     finally:
         tracemalloc.stop()
-    assert grown < 300 * 16, f"{grown / 300:.0f} bytes retained per enable/disable cycle"
+    # Growth in both windows is a leak; growth in one only is a one-off (a dict resize). On
+    # torch 2.14+ enable() installs Python routers (F.linear_cross_entropy's op at CPU and CUDA),
+    # and torch.library itself keeps 0-70 bytes per Python kernel registered and removed (measured
+    # with bare torch.library registrations): the bound leaves room for that, not for an object
+    # of ours per cycle.
+    grown = min(
+        sum(s.size_diff for s in after.compare_to(before, "filename"))
+        for before, after in itertools.pairwise(snapshots)
+    )
+    assert grown < 500 * 96, f"{grown / 500:.0f} bytes retained per enable/disable cycle"
 
 
 def rss_bytes() -> int:

@@ -11,6 +11,7 @@ from typing import Any
 
 from torchgraft import native, registry
 from torchgraft.ops import attention, rms_norm
+from torchgraft.ops.linear_cross_entropy import registration as linear_cross_entropy
 
 log = logging.getLogger("torchgraft")
 
@@ -33,10 +34,15 @@ stable C ABI), and the op library's DSL kernels through the registry, on CUDA: `
 (RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's RMSNorm) and ``"helion"``
 (RMSNorm)."""
 
-# When enable() without routes installs each (route, op package): always, only where the native
-# route has no CUDA kernels (the same op, with less host overhead), or only when named.
+# When enable() without routes installs each (route, op package): always (where a GPU is), only
+# where the native route has no CUDA kernels (the same op, with less host overhead), with the
+# native route (registry overrides whose impls run native ops, on every device), or only when
+# named.
 _ALWAYS, _NO_NATIVE_CUDA, _NAMED = "always", "no native CUDA kernels", "when named"
+_WITH_NATIVE = "with the native route"
 _GRAFTS: tuple[tuple[str, Any, str], ...] = (
+    # torch 2.14+'s F.linear_cross_entropy(options=...) op, served by the native fused kernel.
+    ("native", linear_cross_entropy, _WITH_NATIVE),
     ("triton", rms_norm, _NO_NATIVE_CUDA),
     # FA4 has no native sibling; its conds take only problems where it was measured faster.
     ("cutedsl", attention, _ALWAYS),
@@ -79,9 +85,8 @@ def enable(routes: Iterable[str] | None = None) -> None:
             # The Python routes first: registering them is the step that can fail on user input
             # (a bad TORCHGRAFT_OVERRIDE_ORDER_FN); the native route's enable is all or nothing.
             for route, package, default in _GRAFTS:
-                if route in wanted and (
-                    routes is not None or _installed_by_default(default, native_wanted)
-                ):
+                named = routes is not None and (route != "native" or native_wanted)
+                if route in wanted and (named or _installed_by_default(default, native_wanted)):
                     package.register(route)
             if native_wanted:
                 # Routers capture the kernel below them when installed: rebuild them on top.
@@ -106,12 +111,15 @@ def _native_allowed() -> bool:
 def _installed_by_default(default: str, native_wanted: bool) -> bool:
     """Whether ``enable()`` without routes installs a Python-route package marked ``default``.
 
-    Only where a GPU is (their overrides sit at CUDA: on a machine without one their routers
-    would never run, yet cost memory), and for the Triton RMSNorm only where the native route has
+    Those whose impls run native ops go with the native route, on every device. The DSL ones
+    only where a GPU is (their overrides sit at CUDA: on a machine without one their routers
+    would never run, yet cost memory), and the Triton RMSNorm only where the native route has
     no CUDA kernels.
     """
     if default == _NAMED:
         return False
+    if default == _WITH_NATIVE:
+        return native_wanted
     import torch
 
     if not torch.cuda.is_available():
