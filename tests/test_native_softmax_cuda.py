@@ -32,21 +32,13 @@ WIDTHS = [1, 7, 64, 1000, 1024, 4096, 5000, 8192, 16384, 16385, 32768, 65536, 13
 
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch):
-    # The CUDA softmax grafts are opt-in (slower than ATen at the widest rows; see
-    # docs/softmax_layer_norm.md).
-    monkeypatch.setenv("TORCHGRAFT_CUDA_SOFTMAX", "1")
+    # Every call to the kernels, so that every path is tested (by default a call goes to them
+    # only where they were measured faster than ATen: see the policy tests at the end).
+    monkeypatch.setenv("TORCHGRAFT_CUDA_SOFTMAX", "always")
     torchgraft.disable()
     torchgraft.reset_stats()
     yield
     torchgraft.disable()
-
-
-def test_off_by_default(monkeypatch):
-    monkeypatch.delenv("TORCHGRAFT_CUDA_SOFTMAX")
-    x = torch.randn(4, 100, device="cuda")
-    with torchgraft.enabled():
-        torch.softmax(x, -1)
-    assert torchgraft.stats().get(key("softmax"), {"calls": 0})["calls"] == 0
 
 
 def key(op: str, backward: bool = False) -> str:
@@ -288,3 +280,54 @@ def test_gradcheck_and_compile():
         (got,) = torch.autograd.grad(compiled(x), x)
     (want,) = torch.autograd.grad(f(x), x)
     assert rel_err(got, want) < 1e-12
+
+
+# ---------------------------------------------------------------- the default policy
+
+
+POLICY_CASES = {
+    # (op, dtype, shape, dim): whether the kernels take the forward / the backward.
+    "bf16 softmax 4096": ("softmax", torch.bfloat16, (64, 4096), -1, True, True),
+    "f16 softmax 65536": ("softmax", torch.float16, (8, 65536), -1, True, True),
+    "bf16 softmax 131072": ("softmax", torch.bfloat16, (4, 131072), -1, False, False),
+    "f32 softmax": ("softmax", torch.float32, (64, 4096), -1, False, False),
+    "bf16 softmax inner dim": ("softmax", torch.bfloat16, (64, 32, 8), 1, False, False),
+    "bf16 log_softmax 1024": ("log_softmax", torch.bfloat16, (64, 1024), -1, True, True),
+    "bf16 log_softmax 16384": ("log_softmax", torch.bfloat16, (16, 16384), -1, True, False),
+    "bf16 log_softmax 32768": ("log_softmax", torch.bfloat16, (8, 32768), -1, False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(POLICY_CASES))
+def test_by_default_aten_computes_what_the_kernels_were_not_measured_faster_on(case, monkeypatch):
+    monkeypatch.delenv("TORCHGRAFT_CUDA_SOFTMAX")
+    op, dtype, shape, dim, kernel_fwd, kernel_bwd = POLICY_CASES[case]
+    fwd, bwd = OPS[op]
+    x = randn(*shape, dtype=dtype)
+    stock_y = fwd(x, dim, False)
+    stock_dx = bwd(stock_y * 0.5, stock_y, dim, dtype)
+    with torchgraft.enabled():
+        y = fwd(x, dim, False)
+        dx = bwd(stock_y * 0.5, stock_y, dim, dtype)
+        ran = {k: dict(v) for k, v in torchgraft.stats().items() if "CUDA" in k}
+    for backward, by_kernel, out, stock in (
+        (False, kernel_fwd, y, stock_y),
+        (True, kernel_bwd, dx, stock_dx),
+    ):
+        counted = ran[key(op, backward)]
+        assert counted["calls"] == 1
+        assert counted["fallbacks"] == (0 if by_kernel else 1), (case, backward, counted)
+        if by_kernel:
+            assert rel_err(out, stock) < 4 * TOL[dtype]
+        else:  # ATen's own kernel: exactly stock's result
+            assert torch.equal(out, stock)
+
+
+def test_half_to_float_goes_to_aten_by_default(monkeypatch):
+    monkeypatch.delenv("TORCHGRAFT_CUDA_SOFTMAX")
+    x = randn(32, 4096, dtype=torch.float16)
+    stock = A._softmax(x, -1, True)
+    with torchgraft.enabled():
+        out = A._softmax(x, -1, True)
+        assert torchgraft.stats()[key("softmax")] == {"calls": 1, "fallbacks": 1}
+    assert torch.equal(out, stock)

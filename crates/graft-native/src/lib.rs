@@ -50,18 +50,6 @@ enum Holder {
     CpuKept,
     /// Registered by [`enable`] when the CUDA grafts can run, removed by [`disable`].
     Cuda,
-    /// Like [`Holder::Cuda`], but only when [`CUDA_SOFTMAX_ENV`] asks for them.
-    CudaSoftmax,
-}
-
-/// Opts in to the CUDA softmax / log-softmax grafts. They are off by default: on the H100 they
-/// beat ATen at widths up to 16k-64k but lose at the widest rows (log-softmax backward at 128k
-/// and 256k columns took 2.1x ATen's time), and a graft must never be slower than the kernel it
-/// replaces; the native route has no per-call fallback to ATen yet.
-pub const CUDA_SOFTMAX_ENV: &str = "TORCHGRAFT_CUDA_SOFTMAX";
-
-fn cuda_softmax_requested() -> bool {
-    std::env::var(CUDA_SOFTMAX_ENV).is_ok_and(|v| v == "1")
 }
 
 const GRAFTS: [Graft; 24] = [
@@ -164,25 +152,25 @@ const GRAFTS: [Graft; 24] = [
     Graft {
         op: "aten::_softmax",
         dispatch_key: "CUDA",
-        holder: Holder::CudaSoftmax,
+        holder: Holder::Cuda,
         counters: &softmax::cuda::SOFTMAX,
     },
     Graft {
         op: "aten::_log_softmax",
         dispatch_key: "CUDA",
-        holder: Holder::CudaSoftmax,
+        holder: Holder::Cuda,
         counters: &softmax::cuda::LOG_SOFTMAX,
     },
     Graft {
         op: "aten::_softmax_backward_data",
         dispatch_key: "CUDA",
-        holder: Holder::CudaSoftmax,
+        holder: Holder::Cuda,
         counters: &softmax::cuda::SOFTMAX_BACKWARD,
     },
     Graft {
         op: "aten::_log_softmax_backward_data",
         dispatch_key: "CUDA",
-        holder: Holder::CudaSoftmax,
+        holder: Holder::Cuda,
         counters: &softmax::cuda::LOG_SOFTMAX_BACKWARD,
     },
     Graft {
@@ -217,8 +205,6 @@ struct Installed {
     _cpu: Library,
     /// Both CUDA ops, when the CUDA grafts could be registered.
     cuda: Option<Library>,
-    /// The CUDA softmax grafts, when asked for ([`CUDA_SOFTMAX_ENV`]).
-    cuda_softmax: Option<Library>,
 }
 
 /// The grafts [`enable`] installed, while enabled.
@@ -260,14 +246,8 @@ pub fn enable() -> Result<()> {
         cuda.register::<rms_norm::cuda::BackwardCuda>(c"_fused_rms_norm_backward")?;
         adam::register::<adam::cuda::Cuda>(&mut cuda)?;
         layer_norm::cuda::register(&mut cuda)?;
+        softmax::cuda::register(&mut cuda)?;
         Some(cuda)
-    } else {
-        None
-    };
-    let cuda_softmax = if cuda.is_some() && cuda_softmax_requested() {
-        let mut lib = Library::implementations(c"aten", c"CUDA")?;
-        softmax::cuda::register(&mut lib)?;
-        Some(lib)
     } else {
         None
     };
@@ -277,11 +257,7 @@ pub fn enable() -> Result<()> {
         lib.register::<rms_norm::cpu::BackwardCpu>(c"_fused_rms_norm_backward")?;
         *backward = Some(lib);
     }
-    *installed = Some(Installed {
-        _cpu: cpu,
-        cuda,
-        cuda_softmax,
-    });
+    *installed = Some(Installed { _cpu: cpu, cuda });
     Ok(())
 }
 
@@ -326,7 +302,6 @@ pub fn grafts() -> Vec<GraftInfo> {
                 Holder::Cpu => installed.is_some(),
                 Holder::CpuKept => backward_kept,
                 Holder::Cuda => installed.as_ref().is_some_and(|i| i.cuda.is_some()),
-                Holder::CudaSoftmax => installed.as_ref().is_some_and(|i| i.cuda_softmax.is_some()),
             };
             GraftInfo {
                 op: g.op,

@@ -4,14 +4,20 @@
 //!
 //! `half_to_float` (a float16 input, float32 output) and its backward (float32 grad and output,
 //! float16 grad_input) are computed by the kernels directly; errors follow ATen's CUDA kernels.
+//!
+//! A call the kernels were not measured faster on ([`measured_faster`]) is computed by ATen's own
+//! kernel, through the `.out` overload of the same operator (structured in ATen: the same kernel
+//! as the functional one, which this library does not graft), and counted as a fallback.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{ensure, DType, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{dispatch, ensure, DType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{SoftmaxBackward, SoftmaxForward};
 
 use super::{
     check_same_size, counters, expect_dtype, geometry, grad_input_dtype, not_implemented, wrap_dim,
-    Backward, BackwardArgs, Forward, ForwardArgs, Kind, Which,
+    Backward, BackwardArgs, Forward, ForwardArgs, Kind, Shape, Which,
 };
 use crate::rms_norm::contiguous;
 use crate::stats::Counters;
@@ -37,6 +43,28 @@ fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
     }
 }
 
+/// Sends every call to the kernels when set to `always` at [`crate::enable`] (the kernels' tests
+/// use it); by default a call goes to them only where they were [`measured_faster`].
+pub const ALWAYS_ENV: &str = "TORCHGRAFT_CUDA_SOFTMAX";
+
+/// [`ALWAYS_ENV`] as read by the last registration.
+static ALWAYS: AtomicBool = AtomicBool::new(false);
+
+/// Whether the kernels were measured at least as fast as ATen's on this call (the H100,
+/// bench/grafts_cuda.py, bf16, softmax over the last dimension; results in
+/// bench/results/grafts_cuda-h100.json): bf16 and f16 rows (the same bytes through the same
+/// kernel) up to a width per operator. float32 and float64, `half_to_float`, wider rows and other
+/// dimensions were not measured faster and go to ATen.
+fn measured_faster(kind: Kind, backward: bool, dtype: DType, shape: &Shape) -> bool {
+    let widest = match (kind, backward) {
+        (Kind::Softmax, _) => 65536, // 1.13x-2.2x up to 65536; 0.76x-0.99x from 131072
+        (Kind::LogSoftmax, false) => 16384, // 1.03x-1.96x up to 16384; 0.89x at 32768
+        (Kind::LogSoftmax, true) => 1024, // 1.38x at 1024; 1.00x at 4096, 0.44x-0.94x wider
+    };
+    ALWAYS.load(Ordering::Relaxed)
+        || matches!(dtype, DType::BF16 | DType::F16) && shape.inner == 1 && shape.dim <= widest
+}
+
 fn ptr(t: &Tensor) -> Result<u64> {
     Ok(t.data_ptr()? as u64)
 }
@@ -50,7 +78,8 @@ impl<W: Which> Kernel for Forward<W, Cuda> {
     type Outputs = (Tensor,);
 
     fn run((input, dim, half_to_float): ForwardArgs) -> Result<(Tensor,)> {
-        counters::<W>([&SOFTMAX, &LOG_SOFTMAX]).call();
+        let counter = counters::<W>([&SOFTMAX, &LOG_SOFTMAX]);
+        counter.call();
         let sizes = input.sizes()?;
         let d = wrap_dim(dim, sizes.len())?;
         let dtype = input.dtype()?;
@@ -69,6 +98,21 @@ impl<W: Which> Kernel for Forward<W, Cuda> {
             return Err(not_implemented("host_softmax", dtype));
         }
         let shape = geometry(sizes, d);
+        if !measured_faster(
+            W::KIND,
+            false,
+            if half_to_float { out_dtype } else { dtype },
+            &shape,
+        ) {
+            counter.fallback();
+            let op = if W::KIND == Kind::LogSoftmax {
+                c"aten::_log_softmax"
+            } else {
+                c"aten::_softmax"
+            };
+            let (_,): (Tensor,) = dispatch::call(op, c"out", (&input, dim, half_to_float, &out))?;
+            return Ok((out,));
+        }
         let x = contiguous(&input)?;
         graft_cuda::softmax_forward(&SoftmaxForward {
             device: device.index,
@@ -92,7 +136,8 @@ impl<W: Which> Kernel for Backward<W, Cuda> {
     type Outputs = (Tensor,);
 
     fn run((grad, output, dim, input_dtype): BackwardArgs) -> Result<(Tensor,)> {
-        counters::<W>([&SOFTMAX_BACKWARD, &LOG_SOFTMAX_BACKWARD]).call();
+        let counter = counters::<W>([&SOFTMAX_BACKWARD, &LOG_SOFTMAX_BACKWARD]);
+        counter.call();
         check_same_size::<W>(&grad, &output)?;
         let sizes = grad.sizes()?;
         let d = wrap_dim(dim, sizes.len())?;
@@ -122,6 +167,26 @@ impl<W: Which> Kernel for Backward<W, Cuda> {
             output.device()?
         );
         let shape = geometry(sizes, d);
+        if !measured_faster(
+            W::KIND,
+            true,
+            if dtype == input_dtype {
+                dtype
+            } else {
+                DType::F32
+            },
+            &shape,
+        ) {
+            counter.fallback();
+            let op = if W::KIND == Kind::LogSoftmax {
+                c"aten::_log_softmax_backward_data"
+            } else {
+                c"aten::_softmax_backward_data"
+            };
+            let args = (&grad, &output, dim, input_dtype, &out);
+            let (_,): (Tensor,) = dispatch::call(op, c"out", args)?;
+            return Ok((out,));
+        }
         let (dy, y) = (contiguous(&grad)?, contiguous(&output)?);
         graft_cuda::softmax_backward(&SoftmaxBackward {
             device: device.index,
@@ -143,6 +208,8 @@ impl<W: Which> Kernel for Backward<W, Cuda> {
 
 /// Registers the four CUDA kernels in `lib` (an `aten` implementation library at CUDA).
 pub fn register(lib: &mut graft_abi::Library) -> Result<()> {
+    let always = std::env::var(ALWAYS_ENV).is_ok_and(|v| v == "always");
+    ALWAYS.store(always, Ordering::Relaxed);
     lib.register::<Forward<super::Softmax, Cuda>>(c"_softmax")?;
     lib.register::<Forward<super::LogSoftmax, Cuda>>(c"_log_softmax")?;
     lib.register::<Backward<super::Softmax, Cuda>>(c"_softmax_backward_data")?;
