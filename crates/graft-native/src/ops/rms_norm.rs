@@ -20,12 +20,14 @@
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{ensure, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
-use graft_cuda::{RmsNormBackward, RmsNormForward, Weight};
+use graft_cuda::{RmsNormForward, Weight};
 use graft_kernels::rms_norm::{self, WeightMode};
 use graft_kernels::{convert, Float};
 use half::{bf16, f16};
 
-use crate::rms_norm::cuda::{cuda_error, filled, kernel_dtype, kernel_weight, ptr};
+use crate::rms_norm::cuda::{
+    cuda_error, filled, kernel_dtype, kernel_weight, launch_backward, ptr, BackwardOperands,
+};
 use crate::rms_norm::{acc_dtype, contiguous, to_dtype};
 use crate::stats::Counters;
 use crate::threads::TorchPool;
@@ -363,36 +365,15 @@ fn backward_cuda(
         (true, _) => Some(NewTensor::empty(&dw_sizes, dw_kernel_dtype, device)?.finish()),
     };
     if rows > 0 && cols > 0 && (want_dx || want_dw) {
-        let workspace_bytes = graft_cuda::rms_norm_backward_workspace_bytes_for(
-            device.index,
-            kernel_dtype(dtype),
-            rows,
-            cols,
-            want_dw,
-        )
-        .map_err(cuda_error)?;
-        // Scratch for the dw partials; without dw the kernels never touch it.
-        let workspace = want_dw
-            .then(|| NewTensor::empty(&[workspace_bytes.max(16) as i64], DType::U8, device))
-            .transpose()?
-            .map(NewTensor::finish);
-        graft_cuda::rms_norm_backward(&RmsNormBackward {
-            device: device.index,
-            stream: current_stream(device.index)? as usize,
-            dtype: kernel_dtype(dtype),
-            dy: ptr(&dy)?,
-            x: ptr(&xc)?,
-            rstd: ptr(&rstd)?,
+        let operands = BackwardOperands {
+            dy: &dy,
+            x: &xc,
+            rstd: &rstd,
             weight: kernel_w,
-            dx: want_dx.then(|| ptr(&dx)).transpose()?,
-            dw: dw.as_ref().map(ptr).transpose()?,
-            workspace: workspace.as_ref().map(ptr).transpose()?.unwrap_or(0),
-            workspace_bytes,
-            rows,
-            cols,
-            mode,
-        })
-        .map_err(cuda_error)?;
+            dx: want_dx.then_some(&dx),
+            dw: dw.as_ref(),
+        };
+        launch_backward(device, dtype, operands, rows, cols, mode)?;
     }
     let dw = match (dw, weight) {
         (Some(dw), Some(w)) => to_dtype(&dw, w.dtype()?)?,

@@ -37,6 +37,59 @@ pub(crate) fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
     graft_abi::Error::msg(e.to_string())
 }
 
+/// The tensors of one RMSNorm backward launch (`dx` / `dw`: those asked for).
+pub(crate) struct BackwardOperands<'a> {
+    pub dy: &'a Tensor,
+    pub x: &'a Tensor,
+    pub rstd: &'a Tensor,
+    pub weight: Weight,
+    pub dx: Option<&'a Tensor>,
+    pub dw: Option<&'a Tensor>,
+}
+
+/// Launches the backward kernels over `rows` x `cols` (both nonzero) on the current stream of
+/// `device`, with the dw partials' scratch when dw is asked for.
+pub(crate) fn launch_backward(
+    device: Device,
+    dtype: DType,
+    t: BackwardOperands<'_>,
+    rows: usize,
+    cols: usize,
+    mode: WeightMode,
+) -> Result<()> {
+    let want_dw = t.dw.is_some();
+    let workspace_bytes = graft_cuda::rms_norm_backward_workspace_bytes_for(
+        device.index,
+        kernel_dtype(dtype),
+        rows,
+        cols,
+        want_dw,
+    )
+    .map_err(cuda_error)?;
+    // Scratch for the dw partials; without dw the kernels never touch it.
+    let workspace = want_dw
+        .then(|| NewTensor::empty(&[workspace_bytes.max(16) as i64], DType::U8, device))
+        .transpose()?
+        .map(NewTensor::finish);
+    graft_cuda::rms_norm_backward(&RmsNormBackward {
+        device: device.index,
+        stream: current_stream(device.index)? as usize,
+        dtype: kernel_dtype(dtype),
+        dy: ptr(t.dy)?,
+        x: ptr(t.x)?,
+        rstd: ptr(t.rstd)?,
+        weight: t.weight,
+        dx: t.dx.map(ptr).transpose()?,
+        dw: t.dw.map(ptr).transpose()?,
+        workspace: workspace.as_ref().map(ptr).transpose()?.unwrap_or(0),
+        workspace_bytes,
+        rows,
+        cols,
+        mode,
+    })
+    .map_err(cuda_error)
+}
+
 /// A contiguous weight the kernels can read: in the input's dtype, or else in the accumulation
 /// dtype (converted; rare: F.rms_norm only reaches the op with matching dtypes).
 pub(crate) fn kernel_weight(
@@ -169,36 +222,15 @@ impl Kernel for BackwardCuda {
             _ => None,
         };
         if rows > 0 && cols > 0 && (want_dx || want_dw) {
-            let workspace_bytes = graft_cuda::rms_norm_backward_workspace_bytes_for(
-                device.index,
-                kernel_dtype(dtype),
-                rows,
-                cols,
-                want_dw,
-            )
-            .map_err(cuda_error)?;
-            // Scratch for the dw partials; without dw the kernels never touch it.
-            let workspace = want_dw
-                .then(|| NewTensor::empty(&[workspace_bytes.max(16) as i64], DType::U8, device))
-                .transpose()?
-                .map(NewTensor::finish);
-            graft_cuda::rms_norm_backward(&RmsNormBackward {
-                device: device.index,
-                stream: current_stream(device.index)? as usize,
-                dtype: kernel_dtype(dtype),
-                dy: ptr(&dy)?,
-                x: ptr(&x)?,
-                rstd: ptr(&rstd_acc)?,
+            let operands = BackwardOperands {
+                dy: &dy,
+                x: &x,
+                rstd: &rstd_acc,
                 weight: kernel_w,
-                dx: dx.as_ref().map(ptr).transpose()?,
-                dw: dw.as_ref().map(ptr).transpose()?,
-                workspace: workspace.as_ref().map(ptr).transpose()?.unwrap_or(0),
-                workspace_bytes,
-                rows,
-                cols,
-                mode: WeightMode::default(),
-            })
-            .map_err(cuda_error)?;
+                dx: dx.as_ref(),
+                dw: dw.as_ref(),
+            };
+            launch_backward(device, dtype, operands, rows, cols, WeightMode::default())?;
         }
         if let (Some(d), Some(w)) = (dw.take(), weight.as_ref()) {
             // In the input's dtype when the weight has it (ATen's meta function), else in the
