@@ -53,16 +53,22 @@ static ALWAYS: AtomicBool = AtomicBool::new(false);
 /// Whether the kernels were measured at least as fast as ATen's on this call (the H100,
 /// bench/grafts_cuda.py, bf16, softmax over the last dimension; results in
 /// bench/results/grafts_cuda-h100.json): bf16 and f16 rows (the same bytes through the same
-/// kernel) up to a width per operator. float32 and float64, `half_to_float`, wider rows and other
-/// dimensions were not measured faster and go to ATen.
-fn measured_faster(kind: Kind, backward: bool, dtype: DType, shape: &Shape) -> bool {
+/// kernel) up to a width per operator. float32 and float64, a dtype conversion (`half_to_float`
+/// and its backward), wider rows and other dimensions were not measured faster and go to ATen.
+fn measured_faster(
+    kind: Kind,
+    backward: bool,
+    dtype: DType,
+    converts: bool,
+    shape: &Shape,
+) -> bool {
     let widest = match (kind, backward) {
         (Kind::Softmax, _) => 65536, // 1.13x-2.2x up to 65536; 0.76x-0.99x from 131072
         (Kind::LogSoftmax, false) => 16384, // 1.03x-1.96x up to 16384; 0.89x at 32768
         (Kind::LogSoftmax, true) => 1024, // 1.38x at 1024; 1.00x at 4096, 0.44x-0.94x wider
     };
-    ALWAYS.load(Ordering::Relaxed)
-        || matches!(dtype, DType::BF16 | DType::F16) && shape.inner == 1 && shape.dim <= widest
+    let fast = matches!(dtype, DType::BF16 | DType::F16) && !converts;
+    ALWAYS.load(Ordering::Relaxed) || fast && shape.inner == 1 && shape.dim <= widest
 }
 
 fn ptr(t: &Tensor) -> Result<u64> {
@@ -98,12 +104,7 @@ impl<W: Which> Kernel for Forward<W, Cuda> {
             return Err(not_implemented("host_softmax", dtype));
         }
         let shape = geometry(sizes, d);
-        if !measured_faster(
-            W::KIND,
-            false,
-            if half_to_float { out_dtype } else { dtype },
-            &shape,
-        ) {
+        if !measured_faster(W::KIND, false, dtype, half_to_float, &shape) {
             counter.fallback();
             let op = if W::KIND == Kind::LogSoftmax {
                 c"aten::_log_softmax"
@@ -167,16 +168,7 @@ impl<W: Which> Kernel for Backward<W, Cuda> {
             output.device()?
         );
         let shape = geometry(sizes, d);
-        if !measured_faster(
-            W::KIND,
-            true,
-            if dtype == input_dtype {
-                dtype
-            } else {
-                DType::F32
-            },
-            &shape,
-        ) {
+        if !measured_faster(W::KIND, true, dtype, dtype != input_dtype, &shape) {
             counter.fallback();
             let op = if W::KIND == Kind::LogSoftmax {
                 c"aten::_log_softmax_backward_data"
