@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +34,15 @@ def _clean_state():
     torchgraft.reset_stats()
     yield
     torchgraft.disable()
+
+
+@contextlib.contextmanager
+def served() -> Iterator[None]:
+    """torchgraft enabled with the override installed: enable() installs it where a GPU is;
+    without one, by hand (disable() removes it either way)."""
+    with torchgraft.enabled():
+        registration.register()
+        yield
 
 
 def options(**kw: Any) -> Any:
@@ -84,7 +95,7 @@ def test_matches_the_float64_reference_and_runs_the_native_kernel(dtype, reducti
     # "accurate"; "compact" alone would accumulate in bf16).
     acc = torch.float32 if dtype == torch.bfloat16 else None
     opts = options(batch_chunk_size=64, acc_policy="compact", acc_dtype=acc)
-    with torchgraft.enabled():
+    with served():
         loss = F.linear_cross_entropy(
             x, w, target, linear_bias=b, reduction=reduction, options=opts
         )
@@ -106,7 +117,7 @@ def test_gradients_check_in_float64():
     def f(x, w, b):
         return F.linear_cross_entropy(x, w, target, linear_bias=b, options=opts)
 
-    with torchgraft.enabled():
+    with served():
         assert torch.autograd.gradcheck(f, (x, w, b))
         assert counters()[0] > 0
 
@@ -114,7 +125,7 @@ def test_gradients_check_in_float64():
 def test_only_the_gradients_asked_for_are_computed():
     x, w, _, target = problem(torch.float32, False)
     w.requires_grad_(False)
-    with torchgraft.enabled():
+    with served():
         F.linear_cross_entropy(x, w, target, options=options()).backward()
         assert counters() == (1, 0)
     _, (gx, _) = reference_grads(x, w, None, target, "mean")
@@ -157,7 +168,7 @@ def test_calls_outside_its_cond_get_torchs_own_result(case):
         with torchgraft.enabled(), pytest.raises(type(e)):
             run()
         return
-    with torchgraft.enabled():
+    with served():
         grafted = run()
         assert counters() == (0, 1)
     for a, b in zip(stock, grafted, strict=True):
@@ -168,13 +179,13 @@ def test_all_rows_ignored_gives_torchs_result():
     x, w, _, target = problem(torch.float32, False, rows=16)
     target.fill_(-100)
     stock = F.linear_cross_entropy(x, w, target, reduction="sum", options=options())
-    with torchgraft.enabled():
+    with served():
         grafted = F.linear_cross_entropy(x, w, target, reduction="sum", options=options())
         assert counters() == (1, 0)
     assert torch.equal(stock, grafted)
 
 
-def test_installed_by_enable_and_removed_by_disable():
+def test_installed_with_the_native_route_where_a_gpu_is_and_removed_by_disable():
     def ours() -> list[str]:
         return [
             o.dispatch_key
@@ -184,7 +195,11 @@ def test_installed_by_enable_and_removed_by_disable():
 
     assert ours() == []
     with torchgraft.enabled():
+        assert sorted(ours()) == (["CPU", "CUDA"] if torch.cuda.is_available() else [])
+    with torchgraft.enabled(routes=["native"]):
+        assert sorted(ours()) == (["CPU", "CUDA"] if torch.cuda.is_available() else [])
+    with served():
         assert sorted(ours()) == ["CPU", "CUDA"]
     assert ours() == []
-    with torchgraft.enabled(routes=["triton"]):  # not the native route: not installed
+    with torchgraft.enabled(routes=["triton"]):  # not the native route: never installed
         assert ours() == []

@@ -587,7 +587,7 @@ def _registry_rows() -> list[dict[str, Any]]:
                 "calls": o.calls,
                 "fallbacks": getattr(o, "fallbacks", None),
                 "source": "torchgraft.registry",
-                "why": notes.get((o.dsl, o.op_symbol)),
+                "why": notes.get((o.dsl, o.op.partition("::")[2])),
             }
         )
     return rows

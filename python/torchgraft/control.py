@@ -35,14 +35,15 @@ stable C ABI), and the op library's DSL kernels through the registry, on CUDA: `
 (RMSNorm)."""
 
 # When enable() without routes installs each (route, op package): always (where a GPU is), only
-# where the native route has no CUDA kernels (the same op, with less host overhead), with the
-# native route (registry overrides whose impls run native ops, on every device), or only when
-# named.
+# where the native route has no CUDA kernels (the same op, with less host overhead), or only when
+# named. A "native" package (registry overrides whose impls run native ops) goes with the native
+# route where a GPU is, named or not: on a CPU-only machine its routers would cost a Python
+# kernel registration per enable() (torch.library retains memory for each) for CPU training.
 _ALWAYS, _NO_NATIVE_CUDA, _NAMED = "always", "no native CUDA kernels", "when named"
-_WITH_NATIVE = "with the native route"
+_NATIVE_ON_GPU = "with the native route where a GPU is"
 _GRAFTS: tuple[tuple[str, Any, str], ...] = (
     # torch 2.14+'s F.linear_cross_entropy(options=...) op, served by the native fused kernel.
-    ("native", linear_cross_entropy, _WITH_NATIVE),
+    ("native", linear_cross_entropy, _NATIVE_ON_GPU),
     ("triton", rms_norm, _NO_NATIVE_CUDA),
     # FA4 has no native sibling; its conds take only problems where it was measured faster.
     ("cutedsl", attention, _ALWAYS),
@@ -85,8 +86,7 @@ def enable(routes: Iterable[str] | None = None) -> None:
             # The Python routes first: registering them is the step that can fail on user input
             # (a bad TORCHGRAFT_OVERRIDE_ORDER_FN); the native route's enable is all or nothing.
             for route, package, default in _GRAFTS:
-                named = routes is not None and (route != "native" or native_wanted)
-                if route in wanted and (named or _installed_by_default(default, native_wanted)):
+                if route in wanted and _installs(default, routes is not None, native_wanted):
                     package.register(route)
             if native_wanted:
                 # Routers capture the kernel below them when installed: rebuild them on top.
@@ -108,21 +108,22 @@ def _native_allowed() -> bool:
     return True
 
 
-def _installed_by_default(default: str, native_wanted: bool) -> bool:
-    """Whether ``enable()`` without routes installs a Python-route package marked ``default``.
+def _installs(default: str, named: bool, native_wanted: bool) -> bool:
+    """Whether ``enable()`` installs a Python-route package marked ``default`` (its route was
+    asked for, by name when ``named``).
 
-    Those whose impls run native ops go with the native route, on every device. The DSL ones
-    only where a GPU is (their overrides sit at CUDA: on a machine without one their routers
-    would never run, yet cost memory), and the Triton RMSNorm only where the native route has
-    no CUDA kernels.
+    The DSL ones by default only where a GPU is (their overrides sit at CUDA: on a machine without
+    one their routers would never run, yet cost memory), the Triton RMSNorm only where the native
+    route has no CUDA kernels; every one when named, except the "native" packages, which go with
+    the native route where a GPU is.
     """
-    if default == _NAMED:
-        return False
-    if default == _WITH_NATIVE:
-        return native_wanted
     import torch
 
-    if not torch.cuda.is_available():
+    if default == _NATIVE_ON_GPU:
+        return native_wanted and torch.cuda.is_available()
+    if named:
+        return True
+    if default == _NAMED or not torch.cuda.is_available():
         return False
     if default == _NO_NATIVE_CUDA:
         return not (native_wanted and native.cuda_devices() > 0)
