@@ -134,11 +134,11 @@ def impl(
     loss, d_input, d_weight, d_bias = torch.ops.torchgraft.linear_cross_entropy(
         input, linear_weight, target, linear_bias, ignore_index, red, batch_chunk_size, mask
     )
-    empty = input.new_empty((0, 0))
+    # A fresh empty tensor for each gradient not asked for: a custom op's outputs may not alias.
     return (
         loss.to(input.dtype),
-        d_input if compute_input_grad else empty,
-        d_weight if compute_linear_weight_grad else empty.clone(),
+        d_input if compute_input_grad else input.new_empty((0, 0)),
+        d_weight if compute_linear_weight_grad else input.new_empty((0, 0)),
         d_bias if compute_linear_bias_grad else input.new_empty((0,)),
     )
 
