@@ -134,9 +134,11 @@ def _outputs_like(ours, aten, *, values: bool) -> None:
         if isinstance(b, torch.Tensor) and b.numel() > 0:
             assert isinstance(a, torch.Tensor), index
             if b.dtype == torch.int64 and b.numel() == 1:
-                # cuDNN's seed/offset: ATen's CUDA kernel allocates (1,), its meta function (which
-                # torchgraft's result checks and compiled graphs follow) says (); values are 0.
-                assert (a.numel(), a.dtype, int(a)) == (1, b.dtype, int(b)), index
+                # The dropout RNG state (seed, offset): ATen's CUDA kernel allocates (1,), its
+                # meta function (which torchgraft's result checks and compiled graphs follow)
+                # says (). With dropout_p = 0 nothing reads it, and ATen's flash kernel leaves
+                # a generator seed there (measured on the H100), FA4 a 0: no value to compare.
+                assert (a.numel(), a.dtype) == (1, b.dtype), index
                 continue
             assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device), index
             if a.dim() >= 2:
