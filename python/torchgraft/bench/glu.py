@@ -138,32 +138,32 @@ def reference(glu: Glu, inputs: Inputs, mode: str) -> list[Tensor]:
     return [y.detach(), dgate, dup]
 
 
-def _own_copies(inputs: Inputs, mode: str) -> tuple[Tensor, Tensor]:
-    # Every route gets its own gate and up: Liger's backward writes the gradients over them.
+def _own_copies(inputs: Inputs, mode: str) -> tuple[Tensor, Tensor, Tensor]:
+    # Every route gets its own gate, up and dy: Liger's backward writes the gradients over gate
+    # and up (and nothing a route does may reach the next route's inputs).
     gate, up = inputs.gate.clone(), inputs.up.clone()
     if mode != "fwd":
         gate.requires_grad_()
         up.requires_grad_()
-    return gate, up
+    return gate, up, inputs.grad_out.clone()
 
 
 def run_once(fn: GluFn, inputs: Inputs, mode: str) -> list[Tensor]:
     """The route's results for ``mode``, in the order :func:`reference` returns them."""
-    gate, up = _own_copies(inputs, mode)
+    gate, up, grad_out = _own_copies(inputs, mode)
     if mode == "fwd":
         with torch.no_grad():
             return [fn(gate, up)]
     y = fn(gate, up)
     out = y.detach().clone()  # before a backward that may write over its inputs
-    dgate, dup = torch.autograd.grad(y, (gate, up), inputs.grad_out)
+    dgate, dup = torch.autograd.grad(y, (gate, up), grad_out)
     return [out, dgate, dup]
 
 
 def timed_call(fn: GluFn, inputs: Inputs, mode: str) -> Callable[[], object]:
     """A no-argument callable running ``mode`` once (what the timer calls). An in-place route
     is timed on its previous call's output, which costs the same."""
-    gate, up = _own_copies(inputs, mode)
-    grad_out = inputs.grad_out
+    gate, up, grad_out = _own_copies(inputs, mode)
     if mode == "fwd":
 
         def forward() -> object:
