@@ -35,7 +35,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from torchgraft import functional as tgf  # noqa: E402
-from torchgraft.ops.rope.reference import rotate_half  # noqa: E402
+from torchgraft.bench.geglu import geglu_eager  # noqa: E402
+from torchgraft.bench.rope import llama_rope  # noqa: E402
+from torchgraft.bench.swiglu import swiglu_eager  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 TARGET = 3.0  # forward+backward speedup over eager in bf16
@@ -71,11 +73,8 @@ def glu_cases(shape: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
     up = torch.randn(shape).to(dtype).requires_grad_()
     dy = torch.randn(shape).to(dtype)
     ops = {
-        "swiglu": (lambda g, u: F.silu(g) * u, tgf.swiglu),
-        "geglu_tanh": (
-            lambda g, u: F.gelu(g, approximate="tanh") * u,
-            lambda g, u: tgf.geglu(g, u, "tanh"),
-        ),
+        "swiglu": (swiglu_eager, tgf.swiglu),
+        "geglu_tanh": (geglu_eager, lambda g, u: tgf.geglu(g, u, "tanh")),
         "geglu": (lambda g, u: F.gelu(g) * u, tgf.geglu),
     }
     cases = {}
@@ -112,8 +111,7 @@ def rope_cases(tokens: int, dtype: torch.dtype) -> dict[str, Any]:
         )
 
     def eager(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        return llama_rope(q, k, cos, sin)
 
     q0, k0 = views()
     grads = tuple(torch.randn_like(t) for t in eager(q0, k0))

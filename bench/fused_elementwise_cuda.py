@@ -48,7 +48,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from torchgraft import functional as tgf  # noqa: E402
-from torchgraft.ops.rope.reference import rotate_half  # noqa: E402
+from torchgraft.bench.fused_common import liger_attr  # noqa: E402
+from torchgraft.bench.rope import llama_rope as rope_eager  # noqa: E402
+from torchgraft.bench.rope import rope_tables  # noqa: E402
+from torchgraft.bench.routes import RouteUnavailable  # noqa: E402
+from torchgraft.bench.swiglu import swiglu_eager  # noqa: E402
+from torchgraft.bench.timing import extra_peak_bytes  # noqa: E402
 
 Fn = Callable[[], Any]
 
@@ -79,23 +84,20 @@ def make_timer(device: str) -> Callable[[Fn], float]:
 
 
 def extra_peak_mib(device: str, fn: Fn) -> float | None:
-    """Peak memory allocated during ``fn`` beyond what was allocated before it, in MiB."""
+    """Peak memory allocated during ``fn`` (after one warm-up call) beyond what was allocated
+    before it, in MiB (torchgraft bench's measure)."""
     if device != "cuda":
         return None
     fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    peak = extra_peak_bytes(fn, torch.device(device))
+    return None if peak is None else peak / 2**20
 
 
 def liger(module: str, name: str) -> Any | None:
     """``liger_kernel.<module>.<name>`` when Liger-Kernel is importable."""
     try:
-        return getattr(importlib.import_module(f"liger_kernel.{module}"), name)
-    except (ImportError, AttributeError):
+        return liger_attr(module, name)
+    except RouteUnavailable:
         return None
 
 
@@ -114,10 +116,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------- SwiGLU
-
-
-def swiglu_eager(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 def bench_swiglu(
@@ -201,14 +199,6 @@ def bench_swiglu(
 # ------------------------------------------------------------------------------------ RoPE
 
 
-def rope_eager(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' Llama ``apply_rotary_pos_emb``."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
 def bench_rope(
     device: str,
     batch: int,
@@ -224,10 +214,7 @@ def bench_rope(
     torch.manual_seed(0)
     qp = torch.randn(batch, seq, heads * dim, device=device, dtype=dtype, requires_grad=True)
     kp = torch.randn(batch, seq, kv_heads * dim, device=device, dtype=dtype, requires_grad=True)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
-    freqs = torch.arange(seq, device=device).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[None].expand(batch, -1, -1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_tables(batch, seq, dim, dtype, device)
 
     def views() -> tuple[torch.Tensor, torch.Tensor]:
         q = qp.view(batch, seq, heads, dim).transpose(1, 2)

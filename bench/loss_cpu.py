@@ -31,6 +31,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from torchgraft import functional as tgf  # noqa: E402
+from torchgraft.bench.cross_entropy import cross_entropy_upcast  # noqa: E402
+from torchgraft.bench.fused_common import make_target  # noqa: E402
+from torchgraft.bench.linear_cross_entropy import linear_cross_entropy_eager  # noqa: E402
 
 
 def median_ms(fn: Callable[[], Any], reps: int = 5) -> float:
@@ -50,8 +53,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def cross_entropy(n: int, v: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     src = torch.randn(n, v, generator=g, dtype=torch.bfloat16)
-    target = torch.randint(0, v, (n,), generator=g)
-    target[::8] = -100
+    target = make_target(n, v, torch.device("cpu"), g)
     x = src.clone().requires_grad_()
 
     def step(loss_fn: Callable[[torch.Tensor], torch.Tensor], view: bool = False) -> None:
@@ -59,10 +61,10 @@ def cross_entropy(n: int, v: int) -> dict[str, Any]:
         loss_fn(x.view_as(x) if view else x).backward()
 
     ref_x = src.clone().requires_grad_()
-    ref = F.cross_entropy(ref_x.float(), target)
+    ref = cross_entropy_upcast(ref_x, target)
     ref.backward()
     routes: dict[str, Callable[[], None]] = {
-        "eager_fp32_upcast": lambda: step(lambda t: F.cross_entropy(t.float(), target)),
+        "eager_fp32_upcast": lambda: step(lambda t: cross_entropy_upcast(t, target)),
         "eager_bf16": lambda: step(lambda t: F.cross_entropy(t, target)),
         "torchgraft": lambda: step(lambda t: tgf.cross_entropy(t, target)),
         # Overwrites x (timed on its own output, the same cost).
@@ -86,14 +88,13 @@ def linear_cross_entropy(n: int, h: int, v: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(n, h, generator=g, dtype=torch.bfloat16).requires_grad_()
     weight = (torch.randn(v, h, generator=g) * h**-0.5).bfloat16().requires_grad_()
-    target = torch.randint(0, v, (n,), generator=g)
-    target[::8] = -100
+    target = make_target(n, v, torch.device("cpu"), g)
 
     def step(loss_fn: Callable[[], torch.Tensor]) -> None:
         hidden.grad = weight.grad = None
         loss_fn().backward()
 
-    ref = F.cross_entropy((hidden @ weight.T).float(), target)
+    ref = linear_cross_entropy_eager(hidden, weight, target)
     ref.backward()
     ref_grads = (hidden.grad, weight.grad)
     hidden.grad = weight.grad = None
@@ -106,7 +107,7 @@ def linear_cross_entropy(n: int, h: int, v: int) -> dict[str, Any]:
     }
     routes: dict[str, Callable[[], Any]] = {
         "eager_fp32_upcast": lambda: step(
-            lambda: F.cross_entropy((hidden @ weight.T).float(), target)
+            lambda: linear_cross_entropy_eager(hidden, weight, target)
         ),
         "eager_bf16": lambda: step(lambda: F.cross_entropy(hidden @ weight.T, target)),
         "torchgraft": lambda: step(lambda: tgf.linear_cross_entropy(hidden, weight, target)),

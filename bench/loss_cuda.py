@@ -51,6 +51,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from torchgraft import functional as tgf  # noqa: E402
+from torchgraft.bench.cross_entropy import cross_entropy_upcast  # noqa: E402
+from torchgraft.bench.fused_common import loss_tensor, make_target  # noqa: E402
+from torchgraft.bench.linear_cross_entropy import linear_cross_entropy_eager  # noqa: E402
+from torchgraft.bench.timing import extra_peak_bytes  # noqa: E402
 
 T0 = time.time()
 Step = Callable[[], Any]
@@ -93,20 +97,16 @@ def make_timer(dev: str) -> Callable[[Step, list[torch.Tensor]], float]:
 
 
 def peak_extra_mib(fn: Step, leaves: list[torch.Tensor], dev: str) -> float | None:
-    """Peak memory of one call above what was allocated before it, MiB (CUDA only)."""
+    """Peak memory of one call above what was allocated before it, MiB (CUDA only; torchgraft
+    bench's measure)."""
     if dev != "cuda":
         return None
     for leaf in leaves:
         leaf.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = extra_peak_bytes(fn, torch.device(dev))
     for leaf in leaves:
         leaf.grad = None
-    return peak / 2**20
+    return None if peak is None else peak / 2**20
 
 
 def liger() -> tuple[Any, Any] | None:
@@ -120,11 +120,6 @@ def liger() -> tuple[Any, Any] | None:
         log(f"Liger-Kernel not available: {type(exc).__name__}: {exc}")
         return None
     return LigerCrossEntropyFunction, LigerFusedLinearCrossEntropyFunction
-
-
-def first(out: Any) -> torch.Tensor:
-    """The loss of a Liger function (a tuple in recent versions)."""
-    return out[0] if isinstance(out, tuple) else out
 
 
 def run_routes(
@@ -157,13 +152,12 @@ def bench_cross_entropy(dev: str, n: int, v: int, compile_ok: bool, lig: Any) ->
     log(f"cross-entropy {n} x {v} bf16, forward + backward")
     g = torch.Generator(device=dev).manual_seed(0)
     src = torch.randn(n, v, device=dev, dtype=torch.bfloat16, generator=g)
-    target = torch.randint(0, v, (n,), device=dev, generator=g)
-    target[::8] = -100
+    target = make_target(n, v, torch.device(dev), g)
     x = src.clone().requires_grad_()
     leaves = [x]
 
     def upcast(t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(t.float(), target)
+        return cross_entropy_upcast(t, target)
 
     compiled = torch.compile(upcast) if compile_ok else None
     routes: dict[str, Step] = {
@@ -174,7 +168,7 @@ def bench_cross_entropy(dev: str, n: int, v: int, compile_ok: bool, lig: Any) ->
         routes["torch_compile_fp32_upcast"] = lambda: compiled(x).backward()
     if lig is not None:
         # Liger writes the gradient over its input: hand it a view (timed on its own output).
-        routes["liger"] = lambda: first(lig[0].apply(x.view_as(x), target, None)).backward()
+        routes["liger"] = lambda: loss_tensor(lig[0].apply(x.view_as(x), target, None)).backward()
     routes["torchgraft"] = lambda: tgf.cross_entropy(x, target).backward()
     routes["torchgraft_inplace"] = lambda: tgf.cross_entropy(
         x.view_as(x), target, inplace_backward=True
@@ -193,7 +187,7 @@ def bench_cross_entropy(dev: str, n: int, v: int, compile_ok: bool, lig: Any) ->
         loss = {
             "eager_bf16": lambda: F.cross_entropy(x, target),
             "torch_compile_fp32_upcast": lambda: compiled(x),
-            "liger": lambda: first(lig[0].apply(x.view_as(x), target, None)),
+            "liger": lambda: loss_tensor(lig[0].apply(x.view_as(x), target, None)),
             "torchgraft": lambda: tgf.cross_entropy(x, target),
             "torchgraft_inplace": lambda: tgf.cross_entropy(
                 x.view_as(x), target, inplace_backward=True
@@ -231,14 +225,13 @@ def bench_linear_cross_entropy(
     g = torch.Generator(device=dev).manual_seed(1)
     hidden = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g)
     weight = torch.randn(v, h, device=dev, dtype=torch.bfloat16, generator=g) * h**-0.5
-    target = torch.randint(0, v, (n,), device=dev, generator=g)
-    target[::8] = -100
+    target = make_target(n, v, torch.device(dev), g)
     hx = hidden.clone().requires_grad_()
     wx = weight.clone().requires_grad_()
     leaves = [hx, wx]
 
     def upcast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy((a @ b.T).float(), target)
+        return linear_cross_entropy_eager(a, b, target)
 
     compiled = torch.compile(upcast) if compile_ok else None
     losses: dict[str, Callable[[], torch.Tensor]] = {
@@ -248,7 +241,7 @@ def bench_linear_cross_entropy(
     if compiled is not None:
         losses["torch_compile_fp32_upcast"] = lambda: compiled(hx, wx)
     if lig is not None:
-        losses["liger"] = lambda: first(lig[1].apply(hx, wx, target))
+        losses["liger"] = lambda: loss_tensor(lig[1].apply(hx, wx, target))
     losses["torchgraft"] = lambda: tgf.linear_cross_entropy(hx, wx, target)
     losses["torchgraft_chunk256"] = lambda: tgf.linear_cross_entropy(hx, wx, target, chunk_size=256)
     losses["torchgraft_chunk2048"] = lambda: tgf.linear_cross_entropy(

@@ -165,6 +165,10 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if dtype not in op.TOLERANCE:
         raise CliError(f"{args.op} has no {dtype} benchmark")
     shapes = parse_shapes(args.shapes) if args.shapes else op.default_shapes(device, args.quick)
+    for shape in shapes:
+        why = op.check_shape(shape)
+        if why is not None:
+            raise CliError(f"bad --shapes entry {'x'.join(map(str, shape))!r} for {args.op}: {why}")
     if args.threads is not None:
         if args.threads < 1:
             raise CliError("--threads must be at least 1")
@@ -678,13 +682,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="every route of an op side by side: table, JSON, plot")
     bench.add_argument(
-        "op", help="op to benchmark (rms_norm), or model (see 'torchgraft bench model --help')"
+        "op",
+        help="op to benchmark (rms_norm, swiglu, geglu, rope, cross_entropy, "
+        "linear_cross_entropy), or model (see 'torchgraft bench model --help')",
     )
     bench.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     bench.add_argument(
         "--dtype", help="bf16, fp16, fp32 or fp64 (default: bf16 on CUDA, fp32 on CPU)"
     )
-    bench.add_argument("--shapes", help="e.g. 8x4096x4096,4096x1024 (the last dim is normalized)")
+    bench.add_argument(
+        "--shapes",
+        help="e.g. 8x4096x4096,4096x1024 (rms_norm: the last dim is normalized; the other ops' "
+        "shapes: docs/cli.md)",
+    )
     bench.add_argument("--quick", action="store_true", help="a tiny sweep with short timings")
     bench.add_argument(
         "--mode", choices=("fwd", "fwd+bwd", "both"), default="both", help="default: both"

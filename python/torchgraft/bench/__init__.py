@@ -3,7 +3,9 @@
 ``torchgraft bench <op>`` (see :mod:`torchgraft.cli`) drives it. Modules: :mod:`.harness` (the
 sweep: check against float64, then time), :mod:`.timing` (medians with CUDA events or
 perf_counter), :mod:`.routes` (routes and the dispatcher state each runs under),
-:mod:`.rms_norm` (the RMSNorm routes, shapes and bytes model), :mod:`.table`, :mod:`.plots` and
+:mod:`.rms_norm` (the RMSNorm routes, shapes and bytes model), the fused ops' modules
+(:mod:`.swiglu`, :mod:`.geglu` over :mod:`.glu`, :mod:`.rope`, :mod:`.cross_entropy`,
+:mod:`.linear_cross_entropy`, with :mod:`.fused_common`), :mod:`.table`, :mod:`.plots` and
 :mod:`.results` (terminal table, Markdown, PNG and JSON), :mod:`.counters` (which grafts ran),
 :mod:`.progress` (a stderr progress bar).
 

@@ -22,7 +22,7 @@ import torch
 import torchgraft
 from torchgraft import native
 
-from . import rms_norm, timing
+from . import cross_entropy, geglu, linear_cross_entropy, rms_norm, rope, swiglu, timing
 from .counters import fired, graft_counters
 from .progress import Progress
 from .routes import Route
@@ -39,8 +39,15 @@ __all__ = [
     "select_routes",
 ]
 
-OPS: dict[str, ModuleType] = {rms_norm.OP: rms_norm}
-"""Benchmarked ops by name; each module provides routes(), Problem, default_shapes(), ..."""
+OPS: dict[str, ModuleType] = {
+    m.OP: m for m in (rms_norm, swiglu, geglu, rope, cross_entropy, linear_cross_entropy)
+}
+"""Benchmarked ops by name. Each module provides OP, MODES, TOLERANCE (by dtype), BASELINE (the
+route speedups are against), PEAK_MEMORY (whether each call's extra peak memory is recorded),
+Problem(shape, dtype, device) with a ``label``, default_shapes(device, quick),
+default_dtype(device), check_shape(shape), bytes_moved(problem, mode), make_inputs(problem)
+(whose ``x`` is the tensor copied for the bandwidth ceiling), reference(inputs, mode) (float64),
+run_once(fn, inputs, mode), timed_call(fn, inputs, mode) and routes()."""
 
 
 NOT_SELECTED = "not selected (--routes)"
@@ -80,6 +87,9 @@ class Measurement:
     """Largest ``||out - ref|| / ||ref||`` over the results, against the float64 reference."""
     grafts: dict[str, dict[str, int]] | None
     """Graft counters that grew during the checked run; None for routes without grafts."""
+    extra_peak_bytes: int | None = None
+    """Peak memory allocated during one call beyond what was allocated before it (CUDA, ops
+    whose PEAK_MEMORY is set); None where not measured."""
 
     @property
     def grafted(self) -> bool | None:
@@ -115,6 +125,8 @@ class BenchReport:
     quick: bool
     created: str
     command: str = ""
+    baseline: str = "aten"
+    """The route the table's speedups are against (the op's BASELINE)."""
     copies: list[Measurement] = field(default_factory=list)
     """``x.clone()`` per shape (route ``"copy"``): the device's copy bandwidth."""
     measurements: list[Measurement] = field(default_factory=list)
@@ -300,6 +312,7 @@ def run(config: BenchConfig, *, progress: bool = False, command: str = "") -> Be
         quick=config.quick,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=command,
+        baseline=op.BASELINE,
         skips=skips,
     )
     tolerance = op.TOLERANCE[config.dtype]
@@ -417,9 +430,12 @@ def _check_and_time(
             shape=problem.label,
         )
     del outputs
-    result = timing.measure(op.timed_call(fn, inputs, mode), problem.device, quick=config.quick)
+    call = op.timed_call(fn, inputs, mode)
+    result = timing.measure(call, problem.device, quick=config.quick)
+    peak = timing.extra_peak_bytes(call, problem.device) if op.PEAK_MEMORY else None
+    del call
     moved = op.bytes_moved(problem, mode)
-    return _measurement(route.name, mode, problem.label, moved, result, worst, grafts)
+    return _measurement(route.name, mode, problem.label, moved, result, worst, grafts, peak)
 
 
 def _measurement(
@@ -430,6 +446,7 @@ def _measurement(
     result: timing.Timing,
     rel_err: float,
     grafts: dict[str, dict[str, int]] | None,
+    extra_peak_bytes: int | None = None,
 ) -> Measurement:
     return Measurement(
         route=route,
@@ -441,6 +458,7 @@ def _measurement(
         samples=result.samples,
         rel_err=rel_err,
         grafts=grafts,
+        extra_peak_bytes=extra_peak_bytes,
     )
 
 

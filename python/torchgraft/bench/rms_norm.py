@@ -30,13 +30,17 @@ from .routes import (
     torchgraft_route_unavailable,
 )
 
-__all__ = ["EPS", "MODES", "OP", "Problem", "RmsNormFn", "routes"]
+__all__ = ["BASELINE", "EPS", "MODES", "OP", "PEAK_MEMORY", "Problem", "RmsNormFn", "routes"]
 
 OP = "rms_norm"
 OP_SYMBOLS = ("_fused_rms_norm", "_fused_rms_norm_backward")
 EPS = 1e-6
 MODES = ("fwd", "fwd+bwd")
 """``fwd``: the forward alone; ``fwd+bwd``: forward, then backward to the input and weight."""
+BASELINE = "aten"
+"""The route the table's speedups are against."""
+PEAK_MEMORY = False
+"""Whether each call's extra peak memory is recorded (CUDA only)."""
 
 RmsNormFn = Callable[[Tensor, Tensor], Tensor]
 """``fn(x, weight) -> y``, normalizing over the last dim of ``x``."""
@@ -89,6 +93,11 @@ def default_shapes(device: torch.device, quick: bool) -> list[tuple[int, ...]]:
         return [(rows, hidden) for hidden in (1024, 4096) for rows in (256, 1024, 4096)]
     sweep = [(rows, hidden) for hidden in (1024, 2048, 4096, 8192) for rows in (1024, 4096, 16384)]
     return [*sweep, HEADLINE_SHAPE]
+
+
+def check_shape(shape: tuple[int, ...]) -> str | None:
+    """Why ``shape`` cannot be normalized over its last dim (any shape can), or None."""
+    return None
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from .harness import NOT_SELECTED, BenchReport, Measurement
 
-__all__ = ["format_markdown", "format_ms", "format_terminal"]
+__all__ = ["format_bytes", "format_markdown", "format_ms", "format_terminal"]
 
-BASELINE = "aten"
 NOT_GRAFTED = "*"
 NOTE_NOT_GRAFTED = (
     f"{NOT_GRAFTED} the route's graft did not run for this shape (its condition declined): "
     "the kernel below it ran."
+)
+NOTE_PEAK = (
+    "+N: extra peak memory of one call (torch.cuda.max_memory_allocated over the call minus "
+    "what was allocated before it)."
 )
 
 
@@ -25,8 +28,18 @@ def format_ms(value: float) -> str:
     return f"{value:.3f}"
 
 
+def format_bytes(value: int) -> str:
+    """Bytes in binary units, about three significant digits: ``512MiB``, ``2.00GiB``."""
+    size = float(value)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(size) < 1024:
+            return f"{size:.3g}{unit}"
+        size /= 1024
+    return f"{size:.3g}GiB"
+
+
 def _speedup(report: BenchReport, m: Measurement) -> str:
-    base = report.lookup(BASELINE, m.mode, m.shape)
+    base = report.lookup(report.baseline, m.mode, m.shape)
     return f"{base.median_ms / m.median_ms:.2f}x" if base is not None else ""
 
 
@@ -39,14 +52,15 @@ def _cell(report: BenchReport, route: str, mode: str, shape: str, markdown: bool
     speedup = _speedup(report, m)
     if markdown and speedup:
         speedup = f"({speedup})"
-    return f"{format_ms(m.median_ms)} {speedup}{mark}".strip()
+    peak = "" if m.extra_peak_bytes is None else f" +{format_bytes(m.extra_peak_bytes)}"
+    return f"{format_ms(m.median_ms)} {speedup}{mark}{peak}".strip()
 
 
 def _mode_title(report: BenchReport, mode: str) -> str:
     what = "forward" if mode == "fwd" else "forward + backward"
     return (
         f"{report.op} {what}, {report.dtype}, {report.device['name']}: "
-        f"median ms and speedup vs {BASELINE}"
+        f"median ms and speedup vs {report.baseline}"
     )
 
 
@@ -54,6 +68,8 @@ def _footer(report: BenchReport) -> list[str]:
     lines = []
     if any(m.grafted is False for m in report.measurements):
         lines.append(NOTE_NOT_GRAFTED)
+    if any(m.extra_peak_bytes is not None for m in report.measurements):
+        lines.append(NOTE_PEAK)
     # One line per (route, reason), naming the shapes and modes it applies to.
     grouped: dict[tuple[str, str], list[str]] = {}
     for skip in report.skips:

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "alternating_rounds", "back_to_back_ms", "measure", "method_name"]
+__all__ = [
+    "Timing",
+    "alternating_rounds",
+    "back_to_back_ms",
+    "extra_peak_bytes",
+    "measure",
+    "method_name",
+]
 
 # Bytes written before each timed call on CUDA to evict the previous call's data from L2
 # (H100: 50 MiB of L2; 256 MiB covers every current GPU).
@@ -138,6 +145,24 @@ def _measure_cpu(fn: Callable[[], object], budget: _Budget) -> Timing:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def extra_peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak memory allocated on ``device`` while ``fn()`` runs, beyond what was allocated
+    before it (``torch.cuda.max_memory_allocated`` over the call minus ``memory_allocated``
+    before; what the call returns counts until it returns). None off CUDA, where PyTorch keeps
+    no such count."""
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del result
+    return peak
 
 
 def back_to_back_ms(fn: Callable[[], object], steps: int, device: torch.device) -> float:
