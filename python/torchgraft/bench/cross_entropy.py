@@ -229,6 +229,18 @@ def _build_torchgraft(_problem: Problem) -> CrossEntropyFn:
     return torchgraft
 
 
+def _build_torchgraft_inplace(_problem: Problem) -> CrossEntropyFn:
+    from torchgraft import functional as tgf
+
+    def torchgraft_inplace(logits: Tensor, target: Tensor) -> Tensor:
+        # A view (a leaf's memory cannot be written in place): the gradient goes over it.
+        return tgf.cross_entropy(
+            logits.view_as(logits), target, IGNORE_INDEX, inplace_backward=True
+        )
+
+    return torchgraft_inplace
+
+
 def _build_liger(_problem: Problem) -> CrossEntropyFn:
     loss_class = liger_attr("transformers.cross_entropy", "LigerCrossEntropyLoss")
     loss_fn = loss_class(ignore_index=IGNORE_INDEX)
@@ -271,6 +283,14 @@ def routes() -> tuple[Route, ...]:
             "torchgraft.functional.cross_entropy: one pass, the gradient kept for the backward",
             torchgraft_unavailable,
             _build_torchgraft,
+            stock,
+            graft_prefix=TORCHGRAFT_GRAFTS,
+        ),
+        Route(
+            "torchgraft-inplace",
+            "the same with inplace_backward=True: the gradient written over the logits",
+            torchgraft_unavailable,
+            _build_torchgraft_inplace,
             stock,
             graft_prefix=TORCHGRAFT_GRAFTS,
         ),
