@@ -13,6 +13,7 @@ from torchgraft import native, registry
 from torchgraft.dsl import cutedsl
 from torchgraft.dsl import helion as helion_dsl
 from torchgraft.ops.rms_norm import (
+    dsl_cond,
     dsl_impl,
     helion_configs,
     rms_norm_backward_reference,
@@ -44,6 +45,8 @@ CASES = [
     ((8, 16384), torch.bfloat16),
     ((3, 5, 2048), torch.float32),
 ]
+#: The Helion kernels' cases: rows up to its bound (dsl_cond.HELION_MAX_HIDDEN).
+HELION_CASES = [c for c in CASES if c[0][-1] <= dsl_cond.HELION_MAX_HIDDEN]
 
 
 @pytest.fixture
@@ -96,9 +99,22 @@ def test_quack_without_weight_and_in_fp16(route):
 
 @needs_helion
 @pytest.mark.parametrize("route", ["helion"], indirect=True)
-@pytest.mark.parametrize(("shape", "dtype"), CASES)
+@pytest.mark.parametrize(("shape", "dtype"), HELION_CASES)
 def test_helion_route(route, shape, dtype):
     check(route, shape, dtype)
+
+
+@pytest.mark.parametrize("route", ["helion"], indirect=True)
+def test_helion_declines_rows_wider_than_its_bound(route):
+    hidden = dsl_cond.HELION_MAX_HIDDEN * 2
+    x = torch.randn(8, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    y = F.rms_norm(x, [hidden], w, 1e-6)
+    assert rel_err(y, rms_norm_reference(x, [hidden], w, 1e-6)[0]) < TOL[torch.bfloat16]
+    assert registry.override_stats()["helion/aten::_fused_rms_norm/CUDA"] == {
+        "calls": 0,
+        "fallbacks": 1,
+    }
 
 
 @needs_helion
