@@ -130,6 +130,9 @@ def _scale_grad_inplace_fake(grad: Tensor, grad_output: Tensor) -> None:
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     loss, grad = output
+    # The gradient output is never differentiated: without this, autograd would hand the
+    # backward a zero-filled tensor of the logits' size for it (an allocation and a memset).
+    ctx.set_materialize_grads(False)
     if inputs[5]:
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(grad)
@@ -149,7 +152,9 @@ def _is_one(grad_loss: Tensor, grad: Tensor) -> bool:
     )
 
 
-def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Tensor) -> tuple[Any, ...]:
+def _backward(ctx: Any, grad_loss: Tensor | None, _grad_of_grad: Tensor | None) -> tuple[Any, ...]:
+    if grad_loss is None:  # an undefined upstream gradient: no gradient flows
+        return None, None, None, None, None, None
     (grad,) = ctx.saved_tensors
     # The saved buffer may be handed out: autograd never writes into an incoming gradient
     # (AccumulateGrad takes it only when nothing else holds it, i.e. not with retain_graph).

@@ -105,6 +105,9 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> Non
     hidden, weight, target, bias, ignore_index, reduction, chunk_size, mask = inputs
     ctx.mask = list(mask)
     ctx.unreduced = reduction == 0
+    # The gradient outputs are never differentiated: without this, autograd would hand the
+    # backward zero-filled tensors of their sizes (d_weight's: V x H) for them.
+    ctx.set_materialize_grads(False)
     ctx.consumed = False
     ctx.mark_non_differentiable(*output[1:])
     if ctx.unreduced:
@@ -129,7 +132,9 @@ def _scaled(ctx: Any, grads: tuple[Tensor, ...], grad_loss: Tensor) -> list[Tens
     return list(grads)
 
 
-def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple[Any, ...]:
+def _backward(ctx: Any, grad_loss: Tensor | None, *_unused: Tensor | None) -> tuple[Any, ...]:
+    if grad_loss is None:  # an undefined upstream gradient: no gradient flows
+        return None, None, None, None, None, None, None, None
     if ctx.unreduced:
         hidden, weight, target, bias = ctx.saved_tensors
         grads = torch.ops.torchgraft.linear_cross_entropy_backward(
