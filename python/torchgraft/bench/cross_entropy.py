@@ -35,7 +35,8 @@ from .fused_common import (
     randn,
     torchgraft_unavailable,
 )
-from .routes import Route, stock_dispatch
+from .problem import ShapedProblem
+from .routes import Route, always_available, stock_dispatch
 
 __all__ = [
     "BASELINE",
@@ -73,12 +74,8 @@ CrossEntropyFn = Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(ShapedProblem):
     """One benchmark problem: ``(rows, vocab)`` logits, dtype, device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
     @property
     def rows(self) -> int:
@@ -89,11 +86,6 @@ class Problem:
     def vocab(self) -> int:
         """Classes (the vocabulary)."""
         return self.shape[1]
-
-    @property
-    def label(self) -> str:
-        """The shape as written on the command line, e.g. ``"8192x128256"``."""
-        return "x".join(str(s) for s in self.shape)
 
 
 HEADLINE_SHAPE = (8192, 128256)
@@ -204,10 +196,6 @@ def _cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
 
 
-def _always(_device: torch.device) -> str | None:
-    return None
-
-
 def _build_eager(_problem: Problem) -> CrossEntropyFn:
     return _cross_entropy
 
@@ -260,21 +248,21 @@ def routes() -> tuple[Route, ...]:
         Route(
             "eager",
             "F.cross_entropy on the logits in their dtype (log_softmax + nll_loss)",
-            _always,
+            always_available,
             _build_eager,
             stock,
         ),
         Route(
             "eager-upcast",
             "F.cross_entropy(logits.float(), target): transformers' float32 upcast",
-            _always,
+            always_available,
             _build_upcast,
             stock,
         ),
         Route(
             "compile",
             "torch.compile of the float32-upcast loss (static shapes)",
-            _always,
+            always_available,
             _build_compile,
             stock,
         ),

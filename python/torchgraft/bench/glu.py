@@ -24,7 +24,8 @@ from .fused_common import (
     randn,
     torchgraft_unavailable,
 )
-from .routes import Route, stock_dispatch
+from .problem import ShapedProblem
+from .routes import Route, always_available, stock_dispatch
 
 __all__ = ["MODES", "Glu", "GluFn", "Inputs", "Problem"]
 
@@ -50,12 +51,8 @@ class Glu:
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(ShapedProblem):
     """One benchmark problem: the shape of gate (and up), dtype, device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
     @property
     def width(self) -> int:
@@ -66,11 +63,6 @@ class Problem:
     def rows(self) -> int:
         """Number of rows (tokens)."""
         return math.prod(self.shape[:-1])
-
-    @property
-    def label(self) -> str:
-        """The shape as written on the command line, e.g. ``"8192x8192"``."""
-        return "x".join(str(s) for s in self.shape)
 
 
 HEADLINE_SHAPE = (8192, 8192)
@@ -181,10 +173,6 @@ def timed_call(fn: GluFn, inputs: Inputs, mode: str) -> Callable[[], object]:
 # ---- the routes ------------------------------------------------------------------------------
 
 
-def _always(_device: torch.device) -> str | None:
-    return None
-
-
 def routes(glu: Glu, op_symbols: tuple[str, ...]) -> tuple[Route, ...]:
     """Every route of ``glu``, in table order (the eager baseline first). All run with
     torchgraft's grafts off: the torchgraft route calls its operator directly."""
@@ -208,11 +196,11 @@ def routes(glu: Glu, op_symbols: tuple[str, ...]) -> tuple[Route, ...]:
 
     stock = functools.partial(stock_dispatch, op_symbols)
     return (
-        Route("eager", glu.eager_summary, _always, build_eager, stock),
+        Route("eager", glu.eager_summary, always_available, build_eager, stock),
         Route(
             "compile",
             "torch.compile of the eager composite (static shapes)",
-            _always,
+            always_available,
             build_compile,
             stock,
         ),

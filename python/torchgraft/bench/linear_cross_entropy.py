@@ -36,7 +36,8 @@ from .fused_common import (
     randn,
     torchgraft_unavailable,
 )
-from .routes import Route, stock_dispatch
+from .problem import ShapedProblem
+from .routes import Route, always_available, stock_dispatch
 
 __all__ = [
     "BASELINE",
@@ -90,12 +91,8 @@ LinearCrossEntropyFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(ShapedProblem):
     """One benchmark problem: ``(tokens, hidden, vocab)``, dtype, device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
     @property
     def tokens(self) -> int:
@@ -111,11 +108,6 @@ class Problem:
     def vocab(self) -> int:
         """Vocabulary size (rows of the weight)."""
         return self.shape[2]
-
-    @property
-    def label(self) -> str:
-        """The shape as written on the command line, e.g. ``"8192x2048x128256"``."""
-        return "x".join(str(s) for s in self.shape)
 
 
 HEADLINE_SHAPE = (8192, 2048, 128256)
@@ -233,10 +225,6 @@ def linear_cross_entropy_eager(hidden: Tensor, weight: Tensor, target: Tensor) -
     return F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX)
 
 
-def _always(_device: torch.device) -> str | None:
-    return None
-
-
 def _build_eager(_problem: Problem) -> LinearCrossEntropyFn:
     return linear_cross_entropy_eager
 
@@ -274,14 +262,14 @@ def routes() -> tuple[Route, ...]:
         Route(
             "eager",
             "F.linear, then F.cross_entropy(logits.float(), target) (transformers' upcast)",
-            _always,
+            always_available,
             _build_eager,
             stock,
         ),
         Route(
             "compile",
             "torch.compile of the eager route (static shapes)",
-            _always,
+            always_available,
             _build_compile,
             stock,
         ),

@@ -19,9 +19,11 @@ from torch import Tensor
 
 from torchgraft import control
 
+from .problem import ShapedProblem
 from .routes import (
     Route,
     RouteUnavailable,
+    always_available,
     module_available,
     stock_dispatch,
     torch_native_active,
@@ -56,12 +58,8 @@ TOLERANCE = {
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(ShapedProblem):
     """One benchmark problem: an input shape (normalized over its last dim), dtype, device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
     @property
     def hidden(self) -> int:
@@ -72,11 +70,6 @@ class Problem:
     def rows(self) -> int:
         """Number of rows normalized independently."""
         return math.prod(self.shape[:-1])
-
-    @property
-    def label(self) -> str:
-        """The shape as written on the command line, e.g. ``"8x4096x4096"``."""
-        return "x".join(str(s) for s in self.shape)
 
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -297,10 +290,6 @@ def _torch_native_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _always(_device: torch.device) -> str | None:
-    return None
-
-
 def routes() -> tuple[Route, ...]:
     """Every RMSNorm route, in table order (baselines first)."""
     stock = functools.partial(stock_dispatch, OP_SYMBOLS)
@@ -308,21 +297,21 @@ def routes() -> tuple[Route, ...]:
         Route(
             "eager",
             "Llama-style composite: x.float(), pow, mean, rsqrt, mul, cast, * weight",
-            _always,
+            always_available,
             _build_eager,
             stock,
         ),
         Route(
             "aten",
             "F.rms_norm with torchgraft off: ATen's fused kernel (the composite on CPU)",
-            _always,
+            always_available,
             _build_functional,
             stock,
         ),
         Route(
             "compile",
             "torch.compile of the eager composite (static shapes)",
-            _always,
+            always_available,
             _build_compile,
             stock,
         ),

@@ -30,7 +30,8 @@ from .fused_common import (
     randn,
     torchgraft_unavailable,
 )
-from .routes import Route, stock_dispatch
+from .problem import ShapedProblem
+from .routes import Route, always_available, stock_dispatch
 
 __all__ = [
     "BASELINE",
@@ -70,12 +71,8 @@ RopeFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(ShapedProblem):
     """One benchmark problem: ``(batch, seq, heads, kv_heads, dim)``, dtype, device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
     @property
     def batch(self) -> int:
@@ -101,11 +98,6 @@ class Problem:
     def dim(self) -> int:
         """Head dimension (all of it rotated)."""
         return self.shape[4]
-
-    @property
-    def label(self) -> str:
-        """The shape as written on the command line, e.g. ``"2x4096x32x8x128"``."""
-        return "x".join(str(s) for s in self.shape)
 
 
 def default_shapes(device: torch.device, quick: bool) -> list[tuple[int, ...]]:
@@ -258,10 +250,6 @@ def timed_call(fn: RopeFn, inputs: Inputs, mode: str) -> Callable[[], object]:
 # ---- the routes ------------------------------------------------------------------------------
 
 
-def _always(_device: torch.device) -> str | None:
-    return None
-
-
 def _build_eager(_problem: Problem) -> RopeFn:
     return llama_rope
 
@@ -294,14 +282,14 @@ def routes() -> tuple[Route, ...]:
         Route(
             "eager",
             "transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, same for k",
-            _always,
+            always_available,
             _build_eager,
             stock,
         ),
         Route(
             "compile",
             "torch.compile of the eager formula (static shapes)",
-            _always,
+            always_available,
             _build_compile,
             stock,
         ),

@@ -24,6 +24,7 @@ from torchgraft._registry import torch_native
 __all__ = [
     "Route",
     "RouteUnavailable",
+    "always_available",
     "module_available",
     "stock_dispatch",
     "torch_native_active",
@@ -53,6 +54,11 @@ class Route:
     """The dispatcher state the route runs under (entered around its verification and timing)."""
     graft_prefix: str | None = None
     """Prefix of the graft counters that show this route ran (``"native/"``), if it has any."""
+
+
+def always_available(_device: torch.device) -> str | None:
+    """A route's ``unavailable`` for routes that run on every device: no reason."""
+    return None
 
 
 def module_available(name: str) -> bool:
