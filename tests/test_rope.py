@@ -80,6 +80,25 @@ def test_outputs_have_the_layout_eager_gives():
     assert q_out.is_contiguous()
 
 
+def test_gradients_reach_the_projections_without_a_copy():
+    # SDPA's backward hands the output gradients over contiguous (B, H, S, D); the backward
+    # writes them heads-innermost, the projections' layout, so the transposed view's backward
+    # is a view too.
+    q, k, cos, sin = _llama(2, 5, 4, 2, 16, torch.float32, requires_grad=True)
+    q_out, k_out = tgf.rope(q, k, cos, sin)
+    gq, gk = torch.randn(q_out.shape), torch.randn(k_out.shape)
+    dq, dk = torch.ops.torchgraft.rope_backward(gq, gk, cos, sin, 1)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    with torch.profiler.profile() as prof:
+        torch.autograd.backward((q_out, k_out), (gq, gk))
+    copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
+    assert copies == []
+    # Heads at dim 2 (unsqueeze_dim=2): the contiguous layout is already heads-innermost.
+    gq2 = torch.randn(2, 5, 4, 16)
+    dq2, _ = torch.ops.torchgraft.rope_backward(gq2, gq2[:, :, :2], cos, sin, 2)
+    assert dq2.is_contiguous()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_heads_last_layout_with_unsqueeze_dim_2(dtype):
     q, k, cos, sin = _llama(2, 6, 4, 2, 32, dtype)
@@ -192,6 +211,9 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.torchgraft.rope, (q, k, cos, sin, 1))
     gq, gk = torch.randn(q.shape).transpose(1, 2).contiguous().transpose(1, 2), torch.randn(k.shape)
     torch.library.opcheck(torch.ops.torchgraft.rope_backward, (gq, gk, cos, sin, 1))
+    # Tables broadcast over a batch of 1 too, and negative unsqueeze_dim.
+    cos1, sin1 = cos[:1], sin[:1]
+    torch.library.opcheck(torch.ops.torchgraft.rope_backward, (gq, gk, cos1, sin1, -3))
 
 
 def test_compiles_fullgraph_without_graph_breaks():

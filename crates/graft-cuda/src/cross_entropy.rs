@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 
 use crate::error::CudaError;
-use crate::launch::{grid_for, launch_named, NamedLaunch};
+use crate::launch::{grid_covering, launch_named, NamedLaunch};
 use crate::DType;
 
 /// Arguments of [`cross_entropy_rows`]. Pointers are device addresses; arrays are contiguous.
@@ -156,9 +156,8 @@ struct ScaleParams {
 const ALL_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 /// Threads of the one-block kernels (count, reduce).
 const ONE_BLOCK: u32 = 1024;
-/// Threads per block of the scale kernel, and its resident blocks per SM.
+/// Threads per block of the scale kernel.
 const SCALE_BLOCK: u32 = 256;
-const SCALE_BLOCKS_PER_SM: u32 = 8;
 
 /// The rows kernel's launch shape: at most `threads` per block (a multiple of 32, at most
 /// 1024), `blocks_per_sm` resident blocks per SM.
@@ -427,7 +426,7 @@ pub fn scale_grad(a: &ScaleGrad) -> Result<(), CudaError> {
         device: a.device,
         stream: a.stream,
         name: &name,
-        grid: grid_for(a.device, work, SCALE_BLOCK, SCALE_BLOCKS_PER_SM)?,
+        grid: grid_covering(work, SCALE_BLOCK),
         block: SCALE_BLOCK,
         smem: 0,
     };

@@ -2,7 +2,7 @@
 //! backward, launched from kernels/glu.cu.
 
 use crate::error::CudaError;
-use crate::launch::{grid_for, launch_named, NamedLaunch};
+use crate::launch::{grid_covering, launch_named, NamedLaunch};
 use crate::DType;
 
 /// The activation applied to the gate.
@@ -92,8 +92,6 @@ struct GluParams {
 }
 
 const BLOCK: u32 = 256;
-/// Resident blocks per SM the grid-stride loop aims for (8 x 256 threads fill an H100 SM).
-const BLOCKS_PER_SM: u32 = 8;
 
 fn dtype_tag(d: DType) -> &'static str {
     match d {
@@ -157,7 +155,7 @@ fn run(
         device,
         stream,
         name: &name,
-        grid: grid_for(device, work, BLOCK, BLOCKS_PER_SM)?,
+        grid: grid_covering(work, BLOCK),
         block: BLOCK,
         smem: 0,
     };

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
+use crate::config::MAX_GRID;
 use crate::device::{self, DeviceState};
 use crate::driver::{self, Api, ContextGuard, CuStream};
 use crate::error::CudaError;
@@ -88,10 +89,11 @@ pub(crate) fn launch_named<P>(l: &NamedLaunch<'_>, params: &mut P) -> Result<(),
     launch(api, st, kernel, l.grid, l.block, l.smem, l.stream, params)
 }
 
-/// Blocks for a grid-stride loop over `work` items with `block` threads each: enough to cover
-/// the work, at most `per_sm` blocks per SM of `device`.
-pub(crate) fn grid_for(device: i32, work: u64, block: u32, per_sm: u32) -> Result<u32, CudaError> {
-    let sms = device::state(device)?.limits.sms.max(1);
-    let cover = work.div_ceil(u64::from(block)).max(1);
-    Ok(cover.min(u64::from(sms) * u64::from(per_sm)) as u32)
+/// Blocks of `block` threads for one item per thread over `work` items, so that a streaming
+/// kernel's grid-stride loop runs once (it still covers work beyond the largest grid). Measured
+/// faster than a grid of only the resident blocks, each looping (H100, bf16 SwiGLU 8192 x 8192:
+/// forward 0.135 vs 0.145 ms, backward 0.225 vs 0.243 ms): no loop overhead, and the blocks that
+/// finish early are replaced at once instead of leaving a tail of long-running ones.
+pub(crate) fn grid_covering(work: u64, block: u32) -> u32 {
+    work.div_ceil(u64::from(block)).clamp(1, MAX_GRID) as u32
 }

@@ -1,7 +1,7 @@
 //! Rotary position embedding over strided rows, q and k in one launch: kernels/rope.cu.
 
 use crate::error::CudaError;
-use crate::launch::{grid_for, launch_named, NamedLaunch};
+use crate::launch::{grid_covering, launch_named, NamedLaunch};
 use crate::DType;
 
 /// One operand of [`rope`] (q or k, or their gradients): rows addressed by three leading
@@ -79,8 +79,6 @@ struct RopeParams {
 }
 
 const BLOCK: u32 = 256;
-/// Resident blocks per SM the grid-stride loop aims for (8 x 256 threads fill an H100 SM).
-const BLOCKS_PER_SM: u32 = 8;
 
 fn dtype_tag(d: DType) -> &'static str {
     match d {
@@ -212,7 +210,7 @@ pub fn rope(a: &RopeArgs) -> Result<(), CudaError> {
         device: a.device,
         stream: a.stream,
         name: &name,
-        grid: grid_for(a.device, work, BLOCK, BLOCKS_PER_SM)?,
+        grid: grid_covering(work, BLOCK),
         block: BLOCK,
         smem: 0,
     };

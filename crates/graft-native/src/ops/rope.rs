@@ -8,8 +8,10 @@
 //! gradients (`cos`/`sin` get no gradient here; Python's autograd handles that case).
 //!
 //! Layout: inputs are read in place through their strides (q as a transposed view of a
-//! `(B, S, H, D)` projection, tables broadcast over heads); each output is dense with its input's
-//! strides when the input is dense (what eager's TensorIterator gives), else contiguous.
+//! `(B, S, H, D)` projection, tables broadcast over heads). The forward's outputs are dense with
+//! their input's strides when the input is dense (what eager's TensorIterator gives), else
+//! contiguous; the backward's are dense with the heads innermost (`OutLayout`), the layout of
+//! the projections q and k are views of.
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{
@@ -39,6 +41,8 @@ struct Tables {
     cos_strides: Vec<i64>,
     sin_strides: Vec<i64>,
     rotary_dim: usize,
+    /// Where `unsqueeze_dim` put the tables' size-1 dimension (the heads), in `sizes`.
+    heads_at: usize,
 }
 
 impl Tables {
@@ -94,6 +98,7 @@ impl Tables {
             sin,
             sizes: usizes,
             rotary_dim,
+            heads_at: at,
         })
     }
 }
@@ -166,8 +171,45 @@ fn copy_to(
     Ok(out)
 }
 
+/// The strides of a dense tensor of `sizes` whose leading dimension `heads` is the innermost
+/// before the last: the layout of `(batch, seq, heads, dim)` projections that q and k are
+/// transposed views of, whatever the order of `sizes`.
+fn heads_innermost_strides(sizes: &[i64], heads: usize) -> Vec<i64> {
+    let lead = sizes.len() - 1;
+    let mut order: Vec<usize> = (0..lead).filter(|&i| i != heads).collect();
+    order.push(heads);
+    order.push(lead);
+    let mut strides = vec![0; sizes.len()];
+    let mut next = 1;
+    for &i in order.iter().rev() {
+        strides[i] = next;
+        next *= sizes[i].max(1);
+    }
+    strides
+}
+
+/// The layout of an operand's output.
+#[derive(Clone, Copy)]
+enum OutLayout {
+    /// The input's strides when the input is dense (what eager's elementwise ops give), else
+    /// contiguous: the forward.
+    LikeInput,
+    /// Dense with the heads innermost (see [`heads_innermost_strides`]): the backward. The
+    /// output gradients usually arrive contiguous `(batch, heads, seq, dim)` (SDPA's backward
+    /// gives them so) while q and k are views of `(batch, seq, heads * dim)` projections; in the
+    /// projections' layout the gradients reach them with no copy, and each table row serves the
+    /// consecutive heads of its token.
+    HeadsInnermost,
+}
+
 impl Operand {
-    fn new(op: &str, name: &str, x: &Tensor, tables: &Tables) -> Result<Operand> {
+    fn new(
+        op: &str,
+        name: &str,
+        x: &Tensor,
+        tables: &Tables,
+        layout: OutLayout,
+    ) -> Result<Operand> {
         let sizes = x.sizes()?.to_vec();
         ensure!(
             !sizes.is_empty(),
@@ -190,10 +232,14 @@ impl Operand {
         };
         let (cos, sin) = (tables.cos.new_ref()?, tables.sin.new_ref()?);
         let x_strides = x.strides()?.to_vec();
-        let out_strides = if is_dense(&sizes, &x_strides) {
-            x_strides.clone()
-        } else {
-            contiguous_strides(&sizes)
+        // The heads' dimension of x: the tables' broadcast one, aligned at the right.
+        let heads = (sizes.len() + tables.heads_at)
+            .checked_sub(tables.sizes.len())
+            .filter(|&h| h + 1 < sizes.len());
+        let out_strides = match (layout, heads) {
+            (OutLayout::HeadsInnermost, Some(h)) => heads_innermost_strides(&sizes, h),
+            _ if is_dense(&sizes, &x_strides) => x_strides.clone(),
+            _ => contiguous_strides(&sizes),
         };
         let out = NewTensor::empty_strided(&sizes, &out_strides, x.dtype()?, x.device()?)?;
         let mut operand = Operand {
@@ -332,9 +378,14 @@ impl Call {
             ],
         )?;
         let tables = Tables::new(op, cos, sin, unsqueeze_dim)?;
+        let layout = if backward {
+            OutLayout::HeadsInnermost
+        } else {
+            OutLayout::LikeInput
+        };
         let ops = [
-            Operand::new(op, names[0], x[0], &tables)?,
-            Operand::new(op, names[1], x[1], &tables)?,
+            Operand::new(op, names[0], x[0], &tables, layout)?,
+            Operand::new(op, names[1], x[1], &tables, layout)?,
         ];
         Ok(Call {
             dtype,

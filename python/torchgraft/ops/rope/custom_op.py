@@ -44,6 +44,25 @@ def _output_like(x: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _grad_output_like(g: Tensor, cos: Tensor, unsqueeze_dim: int) -> Tensor:
+    """The output the backward kernels allocate for output gradient ``g``: dense with the heads
+    (the dimension ``unsqueeze_dim`` broadcasts the tables over) innermost before the last, the
+    layout of the ``(batch, seq, heads * dim)`` projections q and k are views of, so the
+    gradients reach them with no copy (SDPA's backward gives ``g`` contiguous instead)."""
+    table_rank = cos.dim() + 1
+    at = unsqueeze_dim + table_rank if unsqueeze_dim < 0 else unsqueeze_dim
+    heads = g.dim() + at - table_rank
+    if not 0 <= heads < g.dim() - 1:
+        return _output_like(g)
+    order = [i for i in range(g.dim() - 1) if i != heads] + [heads, g.dim() - 1]
+    strides: list[Any] = [0] * g.dim()
+    step: Any = 1
+    for i in reversed(order):
+        strides[i] = step
+        step = step * torch.sym_max(g.shape[i], 1)
+    return torch.empty_strided(g.shape, strides, dtype=g.dtype, device=g.device)
+
+
 def _check(
     op: str,
     names: tuple[str, str],
@@ -117,7 +136,10 @@ def _rope_backward_fake(
     grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int
 ) -> tuple[Tensor, Tensor]:
     _check("rope_backward", ("grad_q", "grad_k"), (grad_q, grad_k), cos, sin, unsqueeze_dim)
-    return _output_like(grad_q), _output_like(grad_k)
+    return (
+        _grad_output_like(grad_q, cos, unsqueeze_dim),
+        _grad_output_like(grad_k, cos, unsqueeze_dim),
+    )
 
 
 def _save_inputs(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
