@@ -375,6 +375,34 @@ def test_unwritable_out_exits_2(tmp_path, capsys):
     assert_usage_error(code, capsys.readouterr().err, "cannot write results to --out")
 
 
+def test_cuda_graph_timing_needs_a_cuda_device(tmp_path, capsys):
+    code = cli.main(
+        ["bench", "swiglu", "--device", "cpu", "--quick", "--cuda-graph", "--out", str(tmp_path)]
+    )
+    assert_usage_error(code, capsys.readouterr().err, "--cuda-graph", "needs a CUDA device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_graph_results_sit_beside_the_call_by_call_ones():
+    from torchgraft.bench.results import file_stem
+
+    report = harness.BenchReport(
+        op="rope",
+        device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3"},
+        dtype="bfloat16",
+        modes=["fwd"],
+        shapes=["2x8x4x2x64"],
+        routes=[],
+        versions={},
+        timing="",
+        quick=False,
+        created="",
+    )
+    assert file_stem(report) == "rope_cuda-h100_bf16"
+    report.cuda_graph = True
+    assert file_stem(report) == "rope_cuda-h100_bf16_graph"
+
+
 def test_unknown_op_subprocess():
     result = run_cli("bench", "layer_norm", "--device", "cpu")
     assert_usage_error(result.returncode, result.stderr, "unknown op 'layer_norm'")

@@ -184,6 +184,7 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         modes=modes,
         routes=_parse_list(args.routes),
         quick=args.quick,
+        cuda_graph=args.cuda_graph,
     )
     out_dir = Path(args.out)
     try:  # before the sweep, so a bad --out costs nothing
@@ -704,6 +705,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=os.path.join("bench", "results"), help="directory (default bench/results)"
     )
     bench.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    bench.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time replays of a CUDA graph of each call: GPU time without host launch overhead",
+    )
     bench.add_argument("--no-plot", action="store_true", help="write no PNG")
     bench.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
 

@@ -68,6 +68,9 @@ class BenchConfig:
     modes: Sequence[str]
     routes: Sequence[str] | None = None
     quick: bool = False
+    cuda_graph: bool = False
+    """Time replays of a CUDA graph of each call (CUDA only): the GPU's time without the
+    host's launch overhead, which bounds small ops timed call by call."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class BenchReport:
     """``x.clone()`` per shape (route ``"copy"``): the device's copy bandwidth."""
     measurements: list[Measurement] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
+    cuda_graph: bool = False
+    """Whether each call was timed as replays of its CUDA graph (``--cuda-graph``)."""
 
     def timed_routes(self) -> list[str]:
         """Routes with at least one measurement, in route order."""
@@ -299,6 +304,8 @@ def run(config: BenchConfig, *, progress: bool = False, command: str = "") -> Be
     if op is None:
         raise BenchError(f"unknown op {config.op!r}; known: {', '.join(OPS)}")
     device = config.device
+    if config.cuda_graph and device.type != "cuda":
+        raise BenchError("--cuda-graph times CUDA graphs: it needs a CUDA device")
     chosen, skips = select_routes(op, device, config.routes, config.quick)
     report = BenchReport(
         op=config.op,
@@ -308,12 +315,13 @@ def run(config: BenchConfig, *, progress: bool = False, command: str = "") -> Be
         shapes=["x".join(map(str, s)) for s in config.shapes],
         routes=[],
         versions=versions(),
-        timing=timing.method_name(device),
+        timing=timing.method_name(device, cuda_graph=config.cuda_graph),
         quick=config.quick,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=command,
         baseline=op.BASELINE,
         skips=skips,
+        cuda_graph=config.cuda_graph,
     )
     tolerance = op.TOLERANCE[config.dtype]
     bar = Progress(len(config.shapes) * len(chosen) * len(config.modes), enabled=progress)
@@ -431,8 +439,18 @@ def _check_and_time(
         )
     del outputs
     call = op.timed_call(fn, inputs, mode)
-    result = timing.measure(call, problem.device, quick=config.quick)
     peak = timing.extra_peak_bytes(call, problem.device) if op.PEAK_MEMORY else None
+    if config.cuda_graph:
+        try:
+            call = timing.graphed(call, problem.device)
+        except Exception as error:  # capture refused (a host sync, an uncapturable call)
+            return Skip(
+                route.name,
+                f"cannot be captured in a CUDA graph: {error}".splitlines()[0][:300],
+                mode=mode,
+                shape=problem.label,
+            )
+    result = timing.measure(call, problem.device, quick=config.quick)
     del call
     moved = op.bytes_moved(problem, mode)
     return _measurement(route.name, mode, problem.label, moved, result, worst, grafts, peak)

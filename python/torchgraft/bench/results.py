@@ -27,9 +27,11 @@ def device_slug(device: dict[str, object]) -> str:
 
 
 def file_stem(report: BenchReport) -> str:
-    """``<op>_<device>_<dtype>``, e.g. ``rms_norm_cuda-h100_bf16``."""
+    """``<op>_<device>_<dtype>``, e.g. ``rms_norm_cuda-h100_bf16``; ``_graph`` appended for
+    CUDA-graph timings (``--cuda-graph``), which sit beside the call-by-call ones."""
     dtype = SHORT_DTYPES.get(report.dtype, report.dtype)
-    return f"{report.op}_{device_slug(report.device)}_{dtype}"
+    graph = "_graph" if report.cuda_graph else ""
+    return f"{report.op}_{device_slug(report.device)}_{dtype}{graph}"
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ __all__ = [
     "alternating_rounds",
     "back_to_back_ms",
     "extra_peak_bytes",
+    "graphed",
     "measure",
     "method_name",
 ]
@@ -61,13 +62,31 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def method_name(device: torch.device) -> str:
+def method_name(device: torch.device, *, cuda_graph: bool = False) -> str:
     """How :func:`measure` times on ``device``, for the record."""
     if device.type == "cuda":
+        what = "replays of a CUDA graph of each call" if cuda_graph else "each call"
         if _triton_available():
-            return "triton.testing.do_bench (CUDA events, L2 flushed per call), median"
-        return "CUDA events (L2 flushed per call), median"
+            return f"triton.testing.do_bench of {what} (CUDA events, L2 flushed per call), median"
+        return f"CUDA events around {what} (L2 flushed per call), median"
     return "time.perf_counter per call, median"
+
+
+def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``fn`` captured once in a CUDA graph: the returned callable replays it. Timing replays
+    measures the GPU's work alone; timing ``fn`` also times the host's launches wherever they
+    take longer than the GPU's work (small ops: Python, autograd and dispatch, tens of
+    microseconds per launch). Raises what capture raises for code that cannot be captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def measure(fn: Callable[[], object], device: torch.device, *, quick: bool = False) -> Timing:
