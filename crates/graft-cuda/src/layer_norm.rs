@@ -115,9 +115,9 @@ struct FinalizeParams {
 }
 
 /// Backward grids hold at most this many blocks per SM (bounding the workspace). Fewer blocks
-/// write fewer partial rows for the finalize kernel to read: H100, bf16, 32768 x 4096 backward
-/// (rows kernel + finalize) 0.352 ms with 2 blocks per SM, 0.377 with 4; 16384 x 8192: 0.466
-/// with 2, 0.511 with 4 (`.gpu`-style kernel sweep, launch shapes otherwise as planned here).
+/// write fewer partial rows for the finalize kernel to read (H100, bf16, 32768 x 4096, rows
+/// kernel + finalize: 0.352 ms with 2 blocks per SM, 0.377 with 4;
+/// bench/kernel_lab/layer_norm_sweep.py).
 pub const BWD_MAX_BLOCKS_PER_SM: u32 = 2;
 /// Block size of the loop kernels (`kLoopThreads`).
 const LOOP_THREADS: u32 = 512;
