@@ -739,10 +739,10 @@ where
 {
     let (m, s, _) = row_stats(x, false, None);
     if m == T::Acc::NEG_INF {
-        let nan = x.iter().any(|v| {
-            let v = v.to_acc();
-            v != v
-        });
+        // NaN is the one value not comparable with itself.
+        let nan = x
+            .iter()
+            .any(|v| v.to_acc().partial_cmp(&v.to_acc()).is_none());
         return (m, if nan { T::Acc::NAN } else { T::Acc::ZERO });
     }
     (m, s)
