@@ -1,8 +1,10 @@
 //! Fused linear cross-entropy: `torchgraft::linear_cross_entropy` and its backward, on CPU and
-//! CUDA: `cross_entropy(hidden @ weight.T + bias, target)` computed by chunks of rows so that
-//! the `(N, V)` logits never exist.
+//! CUDA: `cross_entropy(hidden @ weight.T + bias, target)` computed so that the `(N, V)` logits
+//! never exist, by one of two schemes ([`choose_scheme`] picks; `chunk_size > 0` asks for the
+//! first).
 //!
-//! For each chunk of `C` rows, in Rust, on the tensors' device and (CUDA) current stream:
+//! **Row chunks.** For each chunk of `C` rows, in Rust, on the tensors' device and (CUDA)
+//! current stream:
 //!
 //! 1. `logits = hidden[chunk] @ weight.T (+ bias)` into one reused `(C, V)` buffer (aten::mm.out,
 //!    or aten::addmm with the bias; cuBLAS on CUDA);
@@ -12,18 +14,38 @@
 //!    `d_weight += d_logits.T @ hidden[chunk]` (aten::addmm accumulating in place; aten::mm.out
 //!    for the first chunk), and the chunk's column sums of `d_logits` for `d_bias`.
 //!
+//! **Two passes over vocabulary blocks** ([`run_two_pass`]). For each group of `R` rows and
+//! blocks of `Vb` classes (weight rows), sizes in [`two_pass_sizes`]:
+//!
+//! 1. pass 1, per block: `logits_blk = h_grp @ W_blk.T (+ bias_blk)` into an `(R, Vb)` buffer;
+//!    the block stats kernel merges each row's running maximum and sum of exponentials (f32,
+//!    online softmax) and records the target's logit; after the last block it writes
+//!    `lse = m + log s` and the loss `lse - z_t` (0 for ignored rows);
+//! 2. pass 2 (when a gradient is wanted), per block: the logits again; the block grad kernel
+//!    writes `g = (exp(z - lse) - [j == t]) * factor` over them (`1 / count` for a mean, 1 for
+//!    a sum, the row's upstream gradient in `none`'s backward, 0 for ignored rows);
+//!    `d_hidden_acc += g @ W_blk` (an f32 `R x H` accumulator for bf16 / f16, rounded into
+//!    `d_hidden` once per group: on CUDA cuBLAS's 16-bit -> f32 product through aten::mm.dtype_out
+//!    added by the accumulate kernel, on the CPU the product in the dtype added in f32; f32 / f64
+//!    accumulate in `d_hidden` itself); `d_weight[blk] = g.T @ h_grp` for the first group
+//!    (written once), `+=` for the later ones; `d_bias` from the blocks' column sums.
+//!
+//! One more `(N, V, H)` GEMM than the row chunks (the logits twice), and a buffer of about the
+//! hidden states' size instead of `C x V` logits; with one group (`R = N`, f32 / f64 at the usual
+//! shapes) no read-modify-write of `d_weight` at all.
+//!
 //! The weight gradient accumulates in the weight's dtype, in place, as Liger-Kernel's does by
 //! default: no second `(V, H)` buffer (an f32 accumulator would cost `4 V H` bytes more, e.g.
 //! +1 GiB at V = 128256, H = 2048, and twice the accumulator traffic per chunk). Each chunk's
-//! product is computed in f32 by the GEMM and rounded once when added, so `d_weight` carries
-//! one rounding per chunk (measured: 2x eager's error at 8 chunks, 4x at 32, in bf16). Larger
-//! chunks mean fewer roundings and faster accumulation at the cost of a larger logits buffer.
-//! The bias gradient sums per-chunk f32 column sums at the end (exact to f32).
+//! (group's) product is computed in f32 by the GEMM and rounded once when added, so `d_weight`
+//! carries one rounding per chunk (measured for row chunks: 2x eager's error at 8 chunks, 4x at
+//! 32, in bf16). Larger chunks mean fewer roundings and faster accumulation at the cost of a
+//! larger buffer. The bias gradient sums per-chunk f32 column sums at the end (exact to f32).
 //!
 //! With `mean` / `sum` every gradient is complete after the forward: the backward only scales
 //! it by the upstream gradient (`scale_grad_`). With `none` the upstream gradient is one factor
 //! per row, which must multiply each row of `d_logits` before the sums over rows: the forward
-//! computes the losses only, and `linear_cross_entropy_backward` runs the chunks again with
+//! computes the losses only, and `linear_cross_entropy_backward` runs the scheme again with
 //! those factors.
 
 use graft_abi::{aten, dispatch, ensure, DType, Device, DeviceType, Element, Error, Kernel};
@@ -1228,7 +1250,7 @@ mod tests {
         // Odd sizes: blocks are whole multiples of 128 classes.
         let s = two_pass_sizes(100_000, 1000, 50_000, 2);
         assert_eq!(s.group_rows, 16_384);
-        assert!(s.block_cols % 128 == 0 && s.block_cols >= 1024);
+        assert!(s.block_cols.is_multiple_of(128) && s.block_cols >= 1024);
         assert!(s.group_rows * (s.block_cols * 2 + 8 * 1000) <= 100_000 * 1000 * 2);
     }
 
