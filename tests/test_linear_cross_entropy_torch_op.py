@@ -33,6 +33,8 @@ def _scheme(request, monkeypatch):
     asks for), and the two-pass vocabulary-blocked scheme forced with groups of 64 rows and
     blocks of 48 classes (TORCHGRAFT_LCE_SCHEME)."""
     monkeypatch.setenv("TORCHGRAFT_LCE_SCHEME", "rows" if request.param == "rows" else "64,48")
+
+
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
