@@ -374,6 +374,14 @@ __device__ void block_grad_kernel(const CeBlockGradParams& p) {
     const long long local = t - p.first_col;
     const A lse = lse_rows[row];
     const A f = row_scale == nullptr ? all_scale : all_scale * row_scale[row];
+    if constexpr (sizeof(T) == 8) {
+      // Double (tests, not speed): one element per step; the pack loops spill there.
+      for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+        const A v = to_acc(g[c]);
+        g[c] = from_acc<T>(fast_exp(v - lse) * f - (c == local ? f : A(0)));
+      }
+      continue;
+    }
     const long long head = head_of(g, cols);
     const long long packs = (cols - head) / N;
     const long long body_end = head + packs * N;
@@ -495,8 +503,9 @@ __device__ void scale_kernel(const CeScaleParams& p) {
 // Entry points (src/cross_entropy.rs launches them): rows kernels with at most MAXT threads (a
 // multiple of 32; one such block per SM leaves each thread up to 64 registers, 128 for double),
 // the one-block count and reduce kernels with 1024, the scale and accumulate kernels with 256, the
-// vocabulary-block kernels with at most MAXT (several blocks per SM: their rows are short).
-#define GRAFT_CE_DTYPE(DT, T, MAXT)                                                           \
+// vocabulary-block kernels with at most BLOCKT (several blocks per SM: their rows are short; 1024
+// threads would leave 64 registers a thread, where the bf16 stats kernel spills on sm_100).
+#define GRAFT_CE_DTYPE(DT, T, MAXT, BLOCKT)                                                         \
   extern "C" __global__ void __launch_bounds__(MAXT, 1)                                       \
       graft_ce_rows_##DT(const graft_ce::CeRowsParams p) {                                    \
     graft_ce::rows_kernel<T>(p);                                                              \
@@ -505,19 +514,19 @@ __device__ void scale_kernel(const CeScaleParams& p) {
       graft_ce_scale_##DT(const graft_ce::CeScaleParams p) {                                  \
     graft_ce::scale_kernel<T>(p);                                                             \
   }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(MAXT)                                          \
+  extern "C" __global__ void __launch_bounds__(BLOCKT)                                        \
       graft_ce_block_stats_##DT(const graft_ce::CeBlockStatsParams p) {                       \
     graft_ce::block_stats_kernel<T>(p);                                                       \
   }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(MAXT)                                          \
+  extern "C" __global__ void __launch_bounds__(BLOCKT)                                        \
       graft_ce_block_grad_##DT(const graft_ce::CeBlockGradParams p) {                         \
     graft_ce::block_grad_kernel<T>(p);                                                        \
   }
 
-GRAFT_CE_DTYPE(f32, float, 1024)
-GRAFT_CE_DTYPE(f64, double, 512)
-GRAFT_CE_DTYPE(f16, __half, 1024)
-GRAFT_CE_DTYPE(bf16, __nv_bfloat16, 1024)
+GRAFT_CE_DTYPE(f32, float, 1024, 512)
+GRAFT_CE_DTYPE(f64, double, 512, 512)
+GRAFT_CE_DTYPE(f16, __half, 1024, 512)
+GRAFT_CE_DTYPE(bf16, __nv_bfloat16, 1024, 512)
 
 extern "C" __global__ void __launch_bounds__(256)
     graft_ce_accumulate_f32(const graft_ce::CeAccumulateParams p) {

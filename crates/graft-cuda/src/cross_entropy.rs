@@ -287,6 +287,8 @@ const SCALE_BLOCKS_PER_SM: u32 = 8;
 /// Threads resident per SM that the vocabulary-block kernels aim for: their rows are a block
 /// of classes (a few thousand), so several blocks share an SM.
 const BLOCK_KERNEL_THREADS_PER_SM: u32 = 2048;
+/// The vocabulary-block kernels' `__launch_bounds__` (`BLOCKT`).
+const BLOCK_KERNEL_MAX_THREADS: u32 = 512;
 
 /// The rows kernel's launch shape: at most `threads` per block (a multiple of 32, at most
 /// 1024), `blocks_per_sm` resident blocks per SM.
@@ -458,7 +460,7 @@ pub fn cross_entropy_rows_with(a: &CrossEntropyRows, tuning: RowsTuning) -> Resu
 }
 
 /// Block and grid of a vocabulary-block kernel: threads for one 16-byte pack per thread of a
-/// row of `cols`, as many blocks as fill [`BLOCK_KERNEL_THREADS_PER_SM`] per SM, at most one
+/// row of `cols` (at most [`BLOCK_KERNEL_MAX_THREADS`]), as many blocks as fill [`BLOCK_KERNEL_THREADS_PER_SM`] per SM, at most one
 /// per row.
 fn block_kernel_shape(
     device: i32,
@@ -466,7 +468,11 @@ fn block_kernel_shape(
     cols: usize,
     dtype: DType,
 ) -> Result<(u32, u32), CudaError> {
-    let threads = RowsTuning::DEFAULT.threads_for(cols, dtype);
+    let shape = RowsTuning {
+        threads: BLOCK_KERNEL_MAX_THREADS,
+        blocks_per_sm: 1,
+    };
+    let threads = shape.threads_for(cols, dtype);
     let st = crate::device::state(device)?;
     let per_sm = (BLOCK_KERNEL_THREADS_PER_SM / threads).max(1);
     let grid = (rows as u64).min(u64::from(st.limits.sms.max(1) * per_sm));
