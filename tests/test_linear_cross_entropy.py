@@ -1,10 +1,16 @@
-"""torchgraft.functional.linear_cross_entropy: values, gradients, chunks, errors, compile (CPU)."""
+"""torchgraft.functional.linear_cross_entropy: values, gradients, chunks, errors, compile (CPU).
+
+Every test runs under each scheme of the op (crates/graft-native/src/ops/linear_cross_entropy.rs):
+the automatic choice, row chunks forced, and the two-pass vocabulary-blocked scheme forced with
+groups and blocks small enough that these shapes have several of each
+(``TORCHGRAFT_LCE_SCHEME``, read by the op at each call)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from conftest import rel_err
 from torchgraft import functional as tgf
@@ -19,6 +25,21 @@ def _own_rng():
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         torch.manual_seed(0)
         yield
+
+
+#: TORCHGRAFT_LCE_SCHEME per scheme: unset (the automatic choice), row chunks, two passes over
+#: groups of 5 rows and blocks of 7 classes.
+SCHEMES = {"auto": None, "rows": "rows", "two_pass": "5,7"}
+
+
+@pytest.fixture(autouse=True, params=list(SCHEMES))
+def scheme(request, monkeypatch):
+    value = SCHEMES[request.param]
+    if value is None:
+        monkeypatch.delenv("TORCHGRAFT_LCE_SCHEME", raising=False)
+    else:
+        monkeypatch.setenv("TORCHGRAFT_LCE_SCHEME", value)
+    return request.param
 
 
 REDUCTIONS = ["mean", "sum", "none"]
@@ -244,3 +265,73 @@ def test_compiles_fullgraph_without_graph_breaks():
     torch.testing.assert_close(out, ref)
     for x, y in zip(a, r, strict=True):
         torch.testing.assert_close(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), (13, 5, 1), (11, 3, 29), (40, 17, 9)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_odd_shapes_and_one_class(dtype, shape, reduction):
+    """Sizes that are multiples of nothing, a single class (every loss 0), one row."""
+    n, h, v = shape
+    hidden, weight, b, target = _inputs(n, h, v, dtype, True, seed=n + v)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, b)]
+    loss = tgf.linear_cross_entropy(*leaves[:2], target, leaves[2], reduction=reduction)
+    go = torch.rand(loss.shape, dtype=torch.float64) + 0.5
+    ref = _reference(hidden, weight, b, target, reduction, go)
+    loss.backward(go.to(loss.dtype))
+    scale = max(float(ref[0].detach().norm()), 1.0)
+    assert float((loss.detach().double() - ref[0].detach()).norm()) / scale < TOL[dtype]
+    for name, leaf, want in zip(["hidden", "weight", "bias"], leaves, ref[1:], strict=True):
+        assert leaf.grad.shape == want.shape, name
+        err = float((leaf.grad.double() - want).norm()) / max(float(want.norm()), 1e-3)
+        assert err < TOL[dtype], name
+
+
+@pytest.mark.parametrize("mask", [[a, b, c] for a in (0, 1) for b in (0, 1) for c in (0, 1)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_output_masks_of_the_op_and_its_backward(bias, mask):
+    """Each gradient the mask asks for, and only those; the other outputs are empty."""
+    mask = [bool(m) for m in mask]
+    hidden, weight, b, target = _inputs(23, 10, 31, torch.float32, bias, seed=3)
+    if not bias:
+        b = None
+    ref_sum = _reference(hidden, weight, b, target, "sum", torch.tensor(1.0, dtype=torch.float64))
+    go = torch.rand(23, dtype=torch.float64) + 0.5
+    ref_none = _reference(hidden, weight, b, target, "none", go)
+    op = torch.ops.torchgraft.linear_cross_entropy
+    loss, *grads = op(hidden, weight, target, b, -100, 2, 0, mask)
+    back = torch.ops.torchgraft.linear_cross_entropy_backward(
+        go.float(), hidden, weight, target, b, -100, 0, mask
+    )
+    assert rel_err(loss, ref_sum[0]) < TOL[torch.float32]
+    for i, m in enumerate(mask):
+        for g, want in ((grads[i], ref_sum[1 + i]), (back[i], ref_none[1 + i])):
+            if m and want is not None:
+                assert g.shape == want.shape and rel_err(g, want) < TOL[torch.float32]
+            else:
+                assert g.numel() == 0
+
+
+def _matmuls(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name in ("aten::mm", "aten::addmm") for e in prof.events())
+
+
+def test_the_scheme_switch_selects_the_scheme(scheme, monkeypatch):
+    """Two passes over 8 groups x 8 blocks: 4 products per block (logits twice, d_hidden,
+    d_weight); row chunks of 37 rows: 3. (The switch that the other tests rely on works.)"""
+    hidden, weight, b, target = _inputs(37, 24, 50, torch.float32, True)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+
+    def step():
+        tgf.linear_cross_entropy(h, w, target, b, chunk_size=37)
+
+    count = _matmuls(step)
+    if scheme == "two_pass":
+        assert count == 8 * 8 * 4
+    else:
+        assert count == 3

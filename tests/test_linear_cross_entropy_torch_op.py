@@ -25,6 +25,16 @@ pytestmark = [
 ]
 
 KEY = f"native/torch_nn::{registration.OP_SYMBOL}/CPU"
+
+
+@pytest.fixture(autouse=True, params=["rows", "two_pass"])
+def _scheme(request, monkeypatch):
+    """Each test under both schemes of the native op: its row chunks (what batch_chunk_size
+    asks for), and the two-pass vocabulary-blocked scheme forced with groups of 64 rows and
+    blocks of 48 classes (TORCHGRAFT_LCE_SCHEME)."""
+    monkeypatch.setenv("TORCHGRAFT_LCE_SCHEME", "rows" if request.param == "rows" else "64,48")
+
+
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 

@@ -204,12 +204,16 @@ def linear_cross_entropy(
 ) -> Tensor:
     """``F.cross_entropy((hidden @ weight.T + bias).float(), target, ...)`` without the logits.
 
-    The rows are processed in chunks: each chunk's logits are computed into one reused buffer,
-    turned into their gradient in place, and multiplied into the gradients of ``hidden``,
-    ``weight`` and ``bias`` right away (those that require grad), so the full ``(N, V)`` logits
-    never exist. The weight gradient accumulates in the weight's dtype (one rounding per chunk,
-    as Liger-Kernel's default). The loss is float32 (float64 for float64 inputs). Under
-    autocast the matmul's operands are cast as ``F.linear`` casts them.
+    The full ``(N, V)`` logits never exist. With ``chunk_size``, the rows are processed in
+    chunks: each chunk's logits are computed into one reused buffer, turned into their gradient
+    in place, and multiplied into the gradients of ``hidden``, ``weight`` and ``bias`` right away
+    (those that require grad). By default, when a chunk of 1024 rows' logits would be larger
+    than ``hidden``, groups of rows run two passes over blocks of the vocabulary instead
+    (statistics, then gradients, each block's logits computed twice): one more matmul, and
+    buffers about the size of ``hidden``. The weight gradient accumulates in the weight's dtype
+    (one rounding per chunk or group of rows, as Liger-Kernel's default). The loss is float32
+    (float64 for float64 inputs). Under autocast the matmul's operands are cast as ``F.linear``
+    casts them.
 
     Args:
         hidden: ``(..., H)`` hidden states; the leading dimensions are flattened into rows.
@@ -219,9 +223,10 @@ def linear_cross_entropy(
         ignore_index: Target value of rows to skip.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (then the backward runs the chunks again
             with each row's upstream gradient).
-        chunk_size: Rows per chunk; by default a logits buffer about the size of ``hidden``
-            (at least 1024 rows). Larger chunks are faster and round the weight gradient fewer
-            times, and cost ``chunk_size * V`` elements.
+        chunk_size: Rows per chunk; by default the two-pass scheme above, or when a chunk fits,
+            a logits buffer about the size of ``hidden`` (at least 1024 rows). Larger chunks are
+            faster and round the weight gradient fewer times, and cost ``chunk_size * V``
+            elements.
     """
     red = _reduction(reduction)
     if hidden.dim() < 1:

@@ -4,7 +4,10 @@
 // smoothing, ignored rows, a mean's count, per-row scales, rows masked with -inf, block sizes
 // from one warp to 1024 threads and grids smaller than the rows; the count and reduce kernels;
 // the scale kernel (per row and scalar, vector and scalar paths, in place skipping factors of
-// 1). Everything is compared with a float64 reference; outputs are poisoned with NaN first.
+// 1); the vocabulary-block kernels (block stats over consecutive blocks of odd widths, first and
+// last flags, the loss and log-sum-exp after the last block, then the block gradient with a
+// mean's count and per-row factors, a whole -inf block and a NaN in one) and the f32
+// accumulate kernel. Everything is compared with a float64 reference; outputs are poisoned with NaN first.
 // Build and run with emu/run_cross_entropy.sh. Exit status 1 on any mismatch.
 
 #include <dlfcn.h>
@@ -12,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -306,6 +310,143 @@ void scale_case(DT d, long rows, long cols, bool per_row, bool in_place, bool of
   check("scale " + ctx, out, ref, d == DT::F64 ? 0 : tol(d), 0);
 }
 
+// The vocabulary-block kernels: rows x cols logits cut into blocks of `block` classes, each in
+// its own buffer (one element past a 16-byte boundary when `offset`), stats over every block,
+// then the gradient of every block, against float64.
+void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean, bool row_scale,
+                 bool masked, unsigned threads, unsigned grid) {
+  const DT acc = acc_of(d);
+  const size_t es = dt_size(d), as = dt_size(acc);
+  const size_t off = offset ? 1 : 0;
+  const std::string ctx = std::string(dt_name(d)) + " " + std::to_string(rows) + "x" +
+                          std::to_string(cols) + " blocks of " + std::to_string(block) +
+                          (offset ? " off" : "") + (mean ? " mean" : "") +
+                          (row_scale ? " rowscale" : "") + (masked ? " masked" : "") +
+                          " block " + std::to_string(threads) + " grid " + std::to_string(grid);
+  std::vector<double> x(size_t(rows) * cols);
+  for (auto& v : x) v = round_to(d, (unit() * 2 - 1) * 6);
+  if (masked && cols > block) {
+    // Row 0's first block all -inf (it adds nothing); with three rows or more, a NaN in row 2's
+    // first block, which is otherwise -inf (that row's loss is NaN).
+    for (long j = 0; j < block; ++j) x[j] = -INFINITY;
+    if (rows > 2) {
+      for (long j = 0; j < block; ++j) x[2 * cols + j] = -INFINITY;
+      x[2 * cols + block / 2] = NAN;
+    }
+  }
+  std::vector<long long> target(rows);
+  for (long r = 0; r < rows; ++r) {
+    target[r] = (r % 3 == 1) ? kIgnore : (long long)(unit() * cols);
+    if (masked && r == 0 && cols > block) target[r] = cols - 1;
+  }
+  std::vector<double> rs(rows);
+  for (auto& v : rs) v = round_to(acc, 0.5 + unit());
+  long valid = 0;
+  for (auto t : target) valid += t != kIgnore;
+  const double all = mean ? 1.0 / double(valid) : 1.0;
+  std::vector<double> lref(rows, 0.0), gref(x.size(), 0.0);
+  double gscale = 0;
+  for (long r = 0; r < rows; ++r) {
+    if (target[r] == kIgnore) continue;
+    const double* row = &x[r * cols];
+    double m = -INFINITY;
+    for (long j = 0; j < cols; ++j) m = std::max(m, row[j]);
+    double s = 0;
+    for (long j = 0; j < cols; ++j) s += row[j] == -INFINITY ? 0.0 : std::exp(row[j] - m);
+    const double lse = m + std::log(s);
+    lref[r] = lse - row[target[r]];
+    const double sc = all * (row_scale ? rs[r] : 1.0);
+    gscale += sc * sc;
+    for (long j = 0; j < cols; ++j) {
+      gref[r * cols + j] = (std::exp(row[j] - lse) - (j == target[r] ? 1.0 : 0.0)) * sc;
+    }
+  }
+  Mem T((rows + 1) * 8), MX((rows + 1) * as), SM((rows + 1) * as), TL((rows + 1) * as);
+  Mem L((rows + 1) * as), RS((rows + 1) * as), CNT(16);
+  std::memcpy(T.p, target.data(), rows * 8);
+  for (long r = 0; r < rows; ++r) {
+    store(acc, MX.p + r * as, NAN);
+    store(acc, SM.p + r * as, NAN);
+    store(acc, TL.p + r * as, NAN);
+    store(acc, L.p + r * as, NAN);
+    store(acc, RS.p + r * as, rs[r]);
+  }
+  graft_ce::CeCountParams cp{reinterpret_cast<const long long*>(T.p),
+                             reinterpret_cast<double*>(CNT.p), rows, cols, kIgnore};
+  launch("graft_ce_count", 1, 1024, cp);
+  // Each block's logits in their own buffer (kept for the gradient pass).
+  std::vector<std::unique_ptr<Mem>> bufs;
+  for (long b0 = 0; b0 < cols; b0 += block) {
+    const long len = std::min(block, cols - b0);
+    bufs.push_back(std::make_unique<Mem>((size_t(rows) * len + 2) * es));
+    unsigned char* at = bufs.back()->p + off * es;
+    for (long r = 0; r < rows; ++r) {
+      for (long j = 0; j < len; ++j) store(d, at + (r * len + j) * es, x[r * cols + b0 + j]);
+    }
+    graft_ce::CeBlockStatsParams p{};
+    p.logits = at;
+    p.target = reinterpret_cast<const long long*>(T.p);
+    p.max = MX.p;
+    p.sum = SM.p;
+    p.target_logit = TL.p;
+    p.loss = b0 + len >= cols ? L.p : nullptr;
+    p.rows = rows;
+    p.cols = len;
+    p.first_col = b0;
+    p.ignore_index = kIgnore;
+    p.first = b0 == 0;
+    launch(std::string("graft_ce_block_stats_") + dt_name(d), grid, threads, p);
+  }
+  std::vector<double> lout(rows);
+  for (long r = 0; r < rows; ++r) lout[r] = load(acc, L.p + r * as);
+  double lscale = 0;
+  for (long r = 0; r < rows; ++r) lscale += 36 + std::log(double(cols)) * std::log(double(cols));
+  check("block loss " + ctx, lout, lref, acc == DT::F64 ? 1e-12 : 2e-6, std::sqrt(lscale));
+  std::vector<double> gout(x.size());
+  size_t k = 0;
+  for (long b0 = 0; b0 < cols; b0 += block, ++k) {
+    const long len = std::min(block, cols - b0);
+    unsigned char* at = bufs[k]->p + off * es;
+    graft_ce::CeBlockGradParams p{};
+    p.logits = at;
+    p.target = reinterpret_cast<const long long*>(T.p);
+    p.lse = MX.p;
+    p.count = mean ? reinterpret_cast<const double*>(CNT.p) : nullptr;
+    p.row_scale = row_scale ? RS.p : nullptr;
+    p.rows = rows;
+    p.cols = len;
+    p.first_col = b0;
+    p.ignore_index = kIgnore;
+    launch(std::string("graft_ce_block_grad_") + dt_name(d), grid, threads, p);
+    for (long r = 0; r < rows; ++r) {
+      for (long j = 0; j < len; ++j) gout[r * cols + b0 + j] = load(d, at + (r * len + j) * es);
+    }
+  }
+  check("block grad " + ctx, gout, gref, tol(d), std::sqrt(gscale));
+}
+
+void accumulate_case(long n, bool offset) {
+  std::vector<double> a(n), b(n);
+  for (auto& v : a) v = round_to(DT::F32, unit() * 2 - 1);
+  for (auto& v : b) v = round_to(DT::F32, unit() * 2 - 1);
+  const size_t off = offset ? 1 : 0;
+  Mem A((n + 2) * 4), B((n + 2) * 4);
+  for (long i = 0; i < n; ++i) {
+    store(DT::F32, A.p + (off + i) * 4, a[i]);
+    store(DT::F32, B.p + i * 4, b[i]);
+  }
+  float* acc = reinterpret_cast<float*>(A.p) + off;
+  const bool vec = !offset && n % 4 == 0;
+  graft_ce::CeAccumulateParams p{acc, reinterpret_cast<const float*>(B.p), n, vec ? 1 : 0};
+  launch("graft_ce_accumulate_f32", 3, 64, p);
+  std::vector<double> out(n), ref(n);
+  for (long i = 0; i < n; ++i) {
+    out[i] = acc[i];
+    ref[i] = double(float(a[i]) + float(b[i]));
+  }
+  check("accumulate " + std::to_string(n) + (vec ? " vec" : ""), out, ref, 0, 0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -343,6 +484,25 @@ int main(int argc, char** argv) {
         }
       }
     }
+  }
+  // Vocabulary blocks: widths that divide the row or not, one class per block, misaligned
+  // buffers, block shapes from one warp up, grids smaller than the rows.
+  for (DT d : dtypes) {
+    const struct { long rows, cols, block; } shapes[] = {
+        {1, 1, 1}, {4, 7, 3}, {5, 33, 8}, {7, 130, 128}, {3, 1000, 333}, {6, 4099, 1024}};
+    for (auto sh : shapes) {
+      for (bool offset : {false, true}) {
+        blocks_case(d, sh.rows, sh.cols, sh.block, offset, true, false, false, 128, 2);
+        blocks_case(d, sh.rows, sh.cols, sh.block, offset, false, true, sh.cols > sh.block, 32,
+                    1);
+        if (quick) continue;
+        blocks_case(d, sh.rows, sh.cols, sh.block, offset, true, true, sh.cols > sh.block,
+                    d == DT::F64 ? 512u : 1024u, (unsigned)sh.rows);
+      }
+    }
+  }
+  for (long n : {1L, 7L, 64L, 1000L}) {
+    for (bool offset : {false, true}) accumulate_case(n, offset);
   }
   // An empty batch: count 0, sum 0, mean 0 / 0 = NaN.
   {

@@ -14,6 +14,14 @@
 // exponentials with __expf in float. The gradient may alias the logits: each element is read
 // before it is written, by the thread that writes it.
 //
+// Vocabulary blocks (the two-pass fused linear cross-entropy, whose rows' logits exist one block
+// of classes at a time): the block stats kernel merges a block into each row's running maximum
+// and sum of exponentials (online softmax) and records the target's logit when the target is in
+// the block; after the last block it writes the loss and the log-sum-exp. The block grad kernel
+// turns a block of logits into the loss's gradient in place, (exp(x - lse) - [c == t]) * factor.
+// The accumulate kernel adds one float buffer into another (the f32 accumulator of the hidden
+// states' gradient).
+//
 // Also here: counting the rows that are not ignored (the mean's divisor, read by the row kernel
 // so that nothing waits for the host), reducing the per-row losses, and scaling a gradient by
 // the upstream gradient (a scalar or one factor per row; in place, rows whose factor is exactly
@@ -69,6 +77,43 @@ struct CeScaleParams {
   long long cols;
   long long per_row;
   long long vec;           // 16-byte packs (pointers aligned, cols a multiple of the pack)
+};
+
+// Mirrored by #[repr(C)] BlockStatsParams in src/cross_entropy.rs; every field is 8 bytes.
+struct CeBlockStatsParams {
+  const void* logits;      // rows x cols: one block of classes, row-major, contiguous
+  const long long* target; // rows (whole-vocabulary class indices)
+  void* max;               // rows, accumulation type: running maximum; lse after the last block
+  void* sum;               // rows, accumulation type: running sum of exp(x - max)
+  void* target_logit;      // rows, accumulation type: written by the block holding the target
+  void* loss;              // rows, accumulation type: lse - x_t, written by the last block; null
+                           // for the other blocks
+  long long rows;
+  long long cols;
+  long long first_col;     // class index of the block's first column
+  long long ignore_index;
+  long long first;         // the first block: max and sum are written, not read
+};
+
+// Mirrored by #[repr(C)] BlockGradParams in src/cross_entropy.rs.
+struct CeBlockGradParams {
+  void* logits;            // rows x cols, replaced by the gradient
+  const long long* target; // rows
+  const void* lse;         // rows, accumulation type
+  const double* count;     // rows not ignored (factor 1 / count), or null (factor 1)
+  const void* row_scale;   // rows factors (accumulation type), or null
+  long long rows;
+  long long cols;
+  long long first_col;
+  long long ignore_index;
+};
+
+// Mirrored by #[repr(C)] AccumulateParams in src/cross_entropy.rs: acc[i] += src[i] (float).
+struct CeAccumulateParams {
+  float* acc;
+  const float* src;
+  long long n;
+  long long vec;           // 16-byte packs (both pointers 16-byte aligned, n a multiple of 4)
 };
 
 constexpr int kMaxWarps = 32;
@@ -250,6 +295,137 @@ __device__ void rows_kernel(const CeRowsParams& p) {
   }
 }
 
+// One block per row (grid-stride): the row's maximum and sum of exponentials over this block,
+// merged into the running ones; the target's logit when it is in the block; after the last
+// block, lse (over max) and the loss. Ignored rows are skipped (loss 0).
+template <typename T>
+__device__ void block_stats_kernel(const CeBlockStatsParams& p) {
+  using A = typename Acc<T>::type;
+  constexpr int N = Pack<T>::N;
+  const T* logits = static_cast<const T*>(p.logits);
+  A* run_max = static_cast<A*>(p.max);
+  A* run_sum = static_cast<A*>(p.sum);
+  A* tl = static_cast<A*>(p.target_logit);
+  A* loss = static_cast<A*>(p.loss);
+  const long long cols = p.cols;
+  for (long long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = logits + row * cols;
+    const long long t = p.target[row];
+    if (t == p.ignore_index) {
+      if (threadIdx.x == 0 && loss != nullptr) loss[row] = A(0);
+      continue;
+    }
+    A m = neg_inf(A(0)), s = A(0), unused = A(0);
+    const long long head = head_of(x, cols);
+    const long long packs = (cols - head) / N;
+    const long long body_end = head + packs * N;
+    for (long long c = threadIdx.x; c < head; c += blockDim.x) {
+      const A v[1] = {to_acc(x[c])};
+      accumulate(v, m, s, unused, false);
+    }
+#pragma unroll 4
+    for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
+      const Pack<T> pk = graft_common::load_pack(x + head + k * N);
+      A v[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[e] = to_acc(pk.v[e]);
+      accumulate(v, m, s, unused, false);
+    }
+    for (long long c = body_end + threadIdx.x; c < cols; c += blockDim.x) {
+      const A v[1] = {to_acc(x[c])};
+      accumulate(v, m, s, unused, false);
+    }
+    block_reduce(m, s, unused);
+    if (threadIdx.x == 0) {
+      const long long local = t - p.first_col;
+      if (local >= 0 && local < cols) tl[row] = to_acc(x[local]);
+      if (!p.first) merge(m, s, run_max[row], run_sum[row]);
+      if (loss != nullptr) {
+        const A lse = m + log(s);
+        run_max[row] = lse;
+        loss[row] = lse - tl[row];
+      } else {
+        run_max[row] = m;
+        run_sum[row] = s;
+      }
+    }
+  }
+}
+
+// One block per row (grid-stride): the block's logits replaced by
+// (exp(x - lse) - [class == target]) * factor; zeros for ignored rows.
+template <typename T>
+__device__ void block_grad_kernel(const CeBlockGradParams& p) {
+  using A = typename Acc<T>::type;
+  constexpr int N = Pack<T>::N;
+  T* logits = static_cast<T*>(p.logits);
+  const A* lse_rows = static_cast<const A*>(p.lse);
+  const A* row_scale = static_cast<const A*>(p.row_scale);
+  const long long cols = p.cols;
+  A all_scale = A(1);
+  if (p.count != nullptr) all_scale = A(1.0 / *p.count);
+  for (long long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    T* g = logits + row * cols;
+    const long long t = p.target[row];
+    if (t == p.ignore_index) {
+      for (long long c = threadIdx.x; c < cols; c += blockDim.x) g[c] = from_acc<T>(A(0));
+      continue;
+    }
+    const long long local = t - p.first_col;
+    const A lse = lse_rows[row];
+    const A f = row_scale == nullptr ? all_scale : all_scale * row_scale[row];
+    if constexpr (sizeof(T) == 8) {
+      // Double (tests, not speed): one element per step; the pack loops spill there.
+      for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+        const A v = to_acc(g[c]);
+        g[c] = from_acc<T>(fast_exp(v - lse) * f - (c == local ? f : A(0)));
+      }
+      continue;
+    }
+    const long long head = head_of(g, cols);
+    const long long packs = (cols - head) / N;
+    const long long body_end = head + packs * N;
+    for (long long c = threadIdx.x; c < head; c += blockDim.x) {
+      const A v = to_acc(g[c]);
+      g[c] = from_acc<T>(fast_exp(v - lse) * f - (c == local ? f : A(0)));
+    }
+#pragma unroll 4
+    for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
+      const long long c0 = head + k * N;
+      const Pack<T> pk = graft_common::load_pack(g + c0);
+      Pack<T> out;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const A gv = fast_exp(to_acc(pk.v[e]) - lse) * f;
+        out.v[e] = from_acc<T>(c0 + e == local ? gv - f : gv);
+      }
+      graft_common::store_pack(g + c0, out);
+    }
+    for (long long c = body_end + threadIdx.x; c < cols; c += blockDim.x) {
+      const A v = to_acc(g[c]);
+      g[c] = from_acc<T>(fast_exp(v - lse) * f - (c == local ? f : A(0)));
+    }
+  }
+}
+
+// acc[i] += src[i] (grid-stride).
+__device__ void accumulate_kernel(const CeAccumulateParams& p) {
+  const long long stride = graft_common::grid_threads();
+  const long long first = graft_common::thread_index();
+  if (p.vec) {
+    constexpr int N = Pack<float>::N;
+    for (long long k = first; k < p.n / N; k += stride) {
+      Pack<float> a = graft_common::load_pack(p.acc + k * N);
+      const Pack<float> b = graft_common::load_pack(p.src + k * N);
+#pragma unroll
+      for (int e = 0; e < N; ++e) a.v[e] += b.v[e];
+      graft_common::store_pack(p.acc + k * N, a);
+    }
+  } else {
+    for (long long i = first; i < p.n; i += stride) p.acc[i] += p.src[i];
+  }
+}
+
 // One block: counts the rows whose target is not ignore_index, and stops with a device-side
 // assertion at a target that is neither ignore_index nor a class (ATen's CUDA behaviour).
 __device__ void count_kernel(const CeCountParams& p) {
@@ -326,8 +502,10 @@ __device__ void scale_kernel(const CeScaleParams& p) {
 
 // Entry points (src/cross_entropy.rs launches them): rows kernels with at most MAXT threads (a
 // multiple of 32; one such block per SM leaves each thread up to 64 registers, 128 for double),
-// the one-block count and reduce kernels with 1024, the scale kernels with 256.
-#define GRAFT_CE_DTYPE(DT, T, MAXT)                                                           \
+// the one-block count and reduce kernels with 1024, the scale and accumulate kernels with 256, the
+// vocabulary-block kernels with at most BLOCKT (several blocks per SM: their rows are short; 1024
+// threads would leave 64 registers a thread, where the bf16 stats kernel spills on sm_100).
+#define GRAFT_CE_DTYPE(DT, T, MAXT, BLOCKT)                                                         \
   extern "C" __global__ void __launch_bounds__(MAXT, 1)                                       \
       graft_ce_rows_##DT(const graft_ce::CeRowsParams p) {                                    \
     graft_ce::rows_kernel<T>(p);                                                              \
@@ -335,13 +513,25 @@ __device__ void scale_kernel(const CeScaleParams& p) {
   extern "C" __global__ void __launch_bounds__(256)                                           \
       graft_ce_scale_##DT(const graft_ce::CeScaleParams p) {                                  \
     graft_ce::scale_kernel<T>(p);                                                             \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(BLOCKT)                                        \
+      graft_ce_block_stats_##DT(const graft_ce::CeBlockStatsParams p) {                       \
+    graft_ce::block_stats_kernel<T>(p);                                                       \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(BLOCKT)                                        \
+      graft_ce_block_grad_##DT(const graft_ce::CeBlockGradParams p) {                         \
+    graft_ce::block_grad_kernel<T>(p);                                                        \
   }
 
-GRAFT_CE_DTYPE(f32, float, 1024)
-GRAFT_CE_DTYPE(f64, double, 512)
-GRAFT_CE_DTYPE(f16, __half, 1024)
-GRAFT_CE_DTYPE(bf16, __nv_bfloat16, 1024)
+GRAFT_CE_DTYPE(f32, float, 1024, 512)
+GRAFT_CE_DTYPE(f64, double, 512, 512)
+GRAFT_CE_DTYPE(f16, __half, 1024, 512)
+GRAFT_CE_DTYPE(bf16, __nv_bfloat16, 1024, 512)
 
+extern "C" __global__ void __launch_bounds__(256)
+    graft_ce_accumulate_f32(const graft_ce::CeAccumulateParams p) {
+  graft_ce::accumulate_kernel(p);
+}
 extern "C" __global__ void __launch_bounds__(1024) graft_ce_count(const graft_ce::CeCountParams p) {
   graft_ce::count_kernel(p);
 }

@@ -5,6 +5,10 @@
 //! A loss is computed by [`cross_entropy_count`] (always first: it also checks the targets),
 //! then [`cross_entropy_rows`], then, for `sum` / `mean`, [`cross_entropy_reduce`], all on one
 //! stream; nothing waits for the host.
+//!
+//! The vocabulary-blocked fused linear cross-entropy runs [`cross_entropy_block_stats`] over
+//! each block of classes (after the count), then, for its gradient, [`cross_entropy_block_grad`]
+//! over each block again; [`accumulate_f32`] adds its f32 partial products.
 
 use std::sync::OnceLock;
 
@@ -104,6 +108,127 @@ pub struct ScaleGrad {
     pub cols: usize,
 }
 
+/// Arguments of [`cross_entropy_block_stats`]: one block of classes `first_col..first_col +
+/// cols` of every row merged into the rows' running statistics.
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyBlockStats {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Element type of the logits.
+    pub dtype: DType,
+    /// The block's logits, `rows * cols`, contiguous.
+    pub logits: u64,
+    /// Targets, `rows` int64 (whole-vocabulary classes, checked by [`cross_entropy_count`]).
+    pub target: u64,
+    /// Running maximum, `rows` of the accumulation dtype; the log-sum-exp after the last block.
+    pub max: u64,
+    /// Running sum of `exp(x - max)`, `rows` of the accumulation dtype.
+    pub sum: u64,
+    /// The target's logit, `rows` of the accumulation dtype (written by its block).
+    pub target_logit: u64,
+    /// For the last block: the per-row losses (`rows` of the accumulation dtype).
+    pub loss: Option<u64>,
+    /// Whether this is the first block (`max` and `sum` are not read).
+    pub first: bool,
+    /// Rows.
+    pub rows: usize,
+    /// Classes in the block (>= 1).
+    pub cols: usize,
+    /// Class index of the block's first column.
+    pub first_col: usize,
+    /// Target value of rows to skip.
+    pub ignore_index: i64,
+}
+
+/// Arguments of [`cross_entropy_block_grad`]: a block's logits replaced by
+/// `(exp(x - lse) - [class == target]) * factor`.
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyBlockGrad {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Element type of the logits.
+    pub dtype: DType,
+    /// The block's logits, `rows * cols`, contiguous; the gradient is written over them.
+    pub logits: u64,
+    /// Targets, `rows` int64.
+    pub target: u64,
+    /// Log-sum-exp of each row over the whole vocabulary, `rows` of the accumulation dtype.
+    pub lse: u64,
+    /// The count written by [`cross_entropy_count`]: the gradient is divided by it (a mean).
+    pub count: Option<u64>,
+    /// Per-row factors of the gradient (`rows` of the accumulation dtype).
+    pub row_scale: Option<u64>,
+    /// Rows.
+    pub rows: usize,
+    /// Classes in the block (>= 1).
+    pub cols: usize,
+    /// Class index of the block's first column.
+    pub first_col: usize,
+    /// Target value of rows to skip.
+    pub ignore_index: i64,
+}
+
+/// Arguments of [`accumulate_f32`]: `acc += src`, `n` f32 each.
+#[derive(Clone, Copy, Debug)]
+pub struct AccumulateF32 {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// Accumulator, `n` f32.
+    pub acc: u64,
+    /// Addend, `n` f32 (not overlapping `acc`).
+    pub src: u64,
+    /// Elements.
+    pub n: usize,
+}
+
+/// `graft_ce::CeBlockStatsParams` of kernels/cross_entropy.cu (every field 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BlockStatsParams {
+    logits: u64,
+    target: u64,
+    max: u64,
+    sum: u64,
+    target_logit: u64,
+    loss: u64,
+    rows: i64,
+    cols: i64,
+    first_col: i64,
+    ignore_index: i64,
+    first: i64,
+}
+
+/// `graft_ce::CeBlockGradParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BlockGradParams {
+    logits: u64,
+    target: u64,
+    lse: u64,
+    count: u64,
+    row_scale: u64,
+    rows: i64,
+    cols: i64,
+    first_col: i64,
+    ignore_index: i64,
+}
+
+/// `graft_ce::CeAccumulateParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AccumulateParams {
+    acc: u64,
+    src: u64,
+    n: i64,
+    vec: i64,
+}
+
 /// `graft_ce::CeRowsParams` of kernels/cross_entropy.cu (every field 8 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -158,6 +283,11 @@ const ALL_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16]
 const ONE_BLOCK: u32 = 1024;
 /// Threads per block of the scale kernel.
 const SCALE_BLOCK: u32 = 256;
+/// Threads resident per SM that the vocabulary-block kernels aim for: their rows are a block
+/// of classes (a few thousand), so several blocks share an SM.
+const BLOCK_KERNEL_THREADS_PER_SM: u32 = 2048;
+/// The vocabulary-block kernels' `__launch_bounds__` (`BLOCKT`).
+const BLOCK_KERNEL_MAX_THREADS: u32 = 512;
 
 /// The rows kernel's launch shape: at most `threads` per block (a multiple of 32, at most
 /// 1024), `blocks_per_sm` resident blocks per SM.
@@ -225,7 +355,10 @@ pub(crate) fn kernel_names() -> Vec<String> {
     for dtype in ALL_DTYPES {
         out.push(format!("graft_ce_rows_{}", dtype_tag(dtype)));
         out.push(format!("graft_ce_scale_{}", dtype_tag(dtype)));
+        out.push(format!("graft_ce_block_stats_{}", dtype_tag(dtype)));
+        out.push(format!("graft_ce_block_grad_{}", dtype_tag(dtype)));
     }
+    out.push("graft_ce_accumulate_f32".to_string());
     out.push("graft_ce_count".to_string());
     out.push("graft_ce_reduce_f32".to_string());
     out.push("graft_ce_reduce_f64".to_string());
@@ -320,6 +453,149 @@ pub fn cross_entropy_rows_with(a: &CrossEntropyRows, tuning: RowsTuning) -> Resu
         name: &name,
         grid: grid as u32,
         block: threads,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// Block and grid of a vocabulary-block kernel: threads for one 16-byte pack per thread of a
+/// row of `cols` (at most [`BLOCK_KERNEL_MAX_THREADS`]), as many blocks as fill
+/// [`BLOCK_KERNEL_THREADS_PER_SM`] per SM, at most one per row.
+fn block_kernel_shape(
+    device: i32,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+) -> Result<(u32, u32), CudaError> {
+    let shape = RowsTuning {
+        threads: BLOCK_KERNEL_MAX_THREADS,
+        blocks_per_sm: 1,
+    };
+    let threads = shape.threads_for(cols, dtype);
+    let st = crate::device::state(device)?;
+    let per_sm = (BLOCK_KERNEL_THREADS_PER_SM / threads).max(1);
+    let grid = (rows as u64).min(u64::from(st.limits.sms.max(1) * per_sm));
+    Ok((threads, grid as u32))
+}
+
+fn check_block(rows: usize, cols: usize, dtype: DType) -> Result<(), CudaError> {
+    if cols == 0 {
+        return Err(CudaError::invalid(
+            "graft-cuda: cross_entropy: a vocabulary block needs at least one class",
+        ));
+    }
+    let elems = rows
+        .checked_mul(cols)
+        .ok_or_else(|| CudaError::invalid("graft-cuda: cross_entropy: rows * cols overflows"))?;
+    check_size("block logits", elems, dtype.size())
+}
+
+/// Merges one block of classes into each row's running maximum and sum of exponentials, records
+/// the target's logit, and after the last block (`a.loss` given) writes the losses and the
+/// log-sum-exp (over `a.max`), on `a.stream`. Nothing is launched for `rows == 0`.
+pub fn cross_entropy_block_stats(a: &CrossEntropyBlockStats) -> Result<(), CudaError> {
+    check_block(a.rows, a.cols, a.dtype)?;
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let (size, acc) = (a.dtype.size(), a.dtype.acc().size());
+    check_ptr("logits", a.logits, size)?;
+    check_ptr("target", a.target, 8)?;
+    check_ptr("max", a.max, acc)?;
+    check_ptr("sum", a.sum, acc)?;
+    check_ptr("target_logit", a.target_logit, acc)?;
+    if let Some(l) = a.loss {
+        check_ptr("loss", l, acc)?;
+    }
+    let (threads, grid) = block_kernel_shape(a.device, a.rows, a.cols, a.dtype)?;
+    let mut params = BlockStatsParams {
+        logits: a.logits,
+        target: a.target,
+        max: a.max,
+        sum: a.sum,
+        target_logit: a.target_logit,
+        loss: a.loss.unwrap_or(0),
+        rows: a.rows as i64,
+        cols: a.cols as i64,
+        first_col: a.first_col as i64,
+        ignore_index: a.ignore_index,
+        first: i64::from(a.first),
+    };
+    let name = format!("graft_ce_block_stats_{}", dtype_tag(a.dtype));
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &name,
+        grid,
+        block: threads,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// Replaces one block of logits by the loss's gradient over them, on `a.stream`. Nothing is
+/// launched for `rows == 0`.
+pub fn cross_entropy_block_grad(a: &CrossEntropyBlockGrad) -> Result<(), CudaError> {
+    check_block(a.rows, a.cols, a.dtype)?;
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let (size, acc) = (a.dtype.size(), a.dtype.acc().size());
+    check_ptr("logits", a.logits, size)?;
+    check_ptr("target", a.target, 8)?;
+    check_ptr("lse", a.lse, acc)?;
+    if let Some(c) = a.count {
+        check_ptr("count", c, 8)?;
+    }
+    if let Some(r) = a.row_scale {
+        check_ptr("row_scale", r, acc)?;
+    }
+    let (threads, grid) = block_kernel_shape(a.device, a.rows, a.cols, a.dtype)?;
+    let mut params = BlockGradParams {
+        logits: a.logits,
+        target: a.target,
+        lse: a.lse,
+        count: a.count.unwrap_or(0),
+        row_scale: a.row_scale.unwrap_or(0),
+        rows: a.rows as i64,
+        cols: a.cols as i64,
+        first_col: a.first_col as i64,
+        ignore_index: a.ignore_index,
+    };
+    let name = format!("graft_ce_block_grad_{}", dtype_tag(a.dtype));
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: &name,
+        grid,
+        block: threads,
+        smem: 0,
+    };
+    launch_named(&launch, &mut params)
+}
+
+/// `acc += src` (`n` f32 each) on `a.stream`; nothing is launched for `n == 0`.
+pub fn accumulate_f32(a: &AccumulateF32) -> Result<(), CudaError> {
+    if a.n == 0 {
+        return Ok(());
+    }
+    check_size("accumulator", a.n, 4)?;
+    check_ptr("acc", a.acc, 4)?;
+    check_ptr("src", a.src, 4)?;
+    let vec = a.n.is_multiple_of(4) && a.acc.is_multiple_of(16) && a.src.is_multiple_of(16);
+    let work = if vec { a.n / 4 } else { a.n } as u64;
+    let mut params = AccumulateParams {
+        acc: a.acc,
+        src: a.src,
+        n: a.n as i64,
+        vec: i64::from(vec),
+    };
+    let launch = NamedLaunch {
+        device: a.device,
+        stream: a.stream,
+        name: "graft_ce_accumulate_f32",
+        grid: grid_covering(work, SCALE_BLOCK),
+        block: SCALE_BLOCK,
         smem: 0,
     };
     launch_named(&launch, &mut params)
@@ -443,12 +719,18 @@ mod tests {
         assert_eq!(std::mem::size_of::<CountParams>(), 5 * 8);
         assert_eq!(std::mem::size_of::<ReduceParams>(), 4 * 8);
         assert_eq!(std::mem::size_of::<ScaleParams>(), 7 * 8);
+        assert_eq!(std::mem::size_of::<BlockStatsParams>(), 11 * 8);
+        assert_eq!(std::mem::size_of::<BlockGradParams>(), 9 * 8);
+        assert_eq!(std::mem::size_of::<AccumulateParams>(), 4 * 8);
     }
 
     #[test]
     fn names_cover_every_dtype() {
         let names = kernel_names();
-        assert_eq!(names.len(), 4 * 2 + 3);
+        assert_eq!(names.len(), 4 * 4 + 4);
+        assert!(names.contains(&"graft_ce_block_stats_f16".to_string()));
+        assert!(names.contains(&"graft_ce_block_grad_bf16".to_string()));
+        assert!(names.contains(&"graft_ce_accumulate_f32".to_string()));
         assert!(names.contains(&"graft_ce_rows_bf16".to_string()));
         assert!(names.contains(&"graft_ce_scale_f64".to_string()));
     }

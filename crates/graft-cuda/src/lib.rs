@@ -38,8 +38,10 @@ pub mod tools;
 pub use adam::{adam_step, AdamMode, AdamStep, AdamTensor, MAX_TENSORS as ADAM_MAX_TENSORS};
 pub use config::{DeviceLimits, KernelAttrs};
 pub use cross_entropy::{
-    cross_entropy_count, cross_entropy_reduce, cross_entropy_rows, cross_entropy_rows_with,
-    scale_grad, CrossEntropyCount, CrossEntropyReduce, CrossEntropyRows, RowsTuning, ScaleGrad,
+    accumulate_f32, cross_entropy_block_grad, cross_entropy_block_stats, cross_entropy_count,
+    cross_entropy_reduce, cross_entropy_rows, cross_entropy_rows_with, scale_grad, AccumulateF32,
+    CrossEntropyBlockGrad, CrossEntropyBlockStats, CrossEntropyCount, CrossEntropyReduce,
+    CrossEntropyRows, RowsTuning, ScaleGrad,
 };
 pub use error::{CudaError, ErrorKind};
 pub use glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};

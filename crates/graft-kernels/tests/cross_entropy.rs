@@ -272,3 +272,127 @@ fn mismatched_lengths_panic() {
     let mut loss = [0.0f32; 2];
     ce::forward(&[0.0f32; 7], &[0, 1], &o, &mut loss, None, &Serial);
 }
+
+/// The vocabulary-blocked pair: [`ce::block_stats`] over consecutive blocks of every row, then
+/// [`ce::block_grad`] per block, against the float64 reference of the whole rows.
+fn check_blocks<T: TestFloat>()
+where
+    T::Acc: CeMath,
+{
+    let mut rng = Rng::new(11);
+    for isa in Isa::available() {
+        for &(rows, cols, block) in &[
+            (1, 1, 1),
+            (3, 7, 2),
+            (5, 33, 8),
+            (9, 130, 128),
+            (4, 1000, 333),
+        ] {
+            let x: Vec<T> = random(&mut rng, rows * cols, 3.0);
+            let target = targets(&mut rng, rows, cols, 3);
+            let o = Options {
+                cols,
+                ignore_index: IGNORE,
+                smoothing: 0.0,
+            };
+            let (want_loss, want_grad) = reference(&to_f64(&x), &target, &o);
+            let row_scale: Vec<T::Acc> = (0..rows)
+                .map(|_| <T::Acc as common::Approx>::from_f64(rng.normal(1.0)))
+                .collect();
+            let rs64 = to_f64(&row_scale);
+            let all = 0.25;
+            let want_g = scaled(&want_grad, cols, all, Some(&rs64));
+            let ctx = format!("{} {isa:?} {rows}x{cols} blocks of {block}", T::NAME);
+            with_isa(isa, || {
+                let (mut max, mut sum) = (poisoned::<T::Acc>(rows), poisoned::<T::Acc>(rows));
+                let mut tl = poisoned::<T::Acc>(rows);
+                let mut loss = poisoned::<T::Acc>(rows);
+                let starts: Vec<usize> = (0..cols).step_by(block).collect();
+                // Each block's logits in their own (rows, len) buffer, as the op computes them.
+                let blk = |s: usize| -> Vec<T> {
+                    let len = block.min(cols - s);
+                    (0..rows)
+                        .flat_map(|r| x[r * cols + s..r * cols + s + len].iter().copied())
+                        .collect()
+                };
+                for (k, &s) in starts.iter().enumerate() {
+                    let b = ce::Block {
+                        cols: block.min(cols - s),
+                        first_col: s,
+                        ignore_index: IGNORE,
+                    };
+                    let last = k + 1 == starts.len();
+                    let stats = ce::BlockStats {
+                        max: &mut max,
+                        sum: &mut sum,
+                        target_logit: &mut tl,
+                        loss: if last { Some(&mut loss) } else { None },
+                        first: k == 0,
+                    };
+                    ce::block_stats(&blk(s), &target, &b, stats, &Threads(3));
+                }
+                let ltol = <T::Acc as common::Approx>::TOL * 20.0;
+                let lscale = (rows as f64).sqrt();
+                assert_close_scaled(&to_f64(&loss), &want_loss, lscale, ltol, "loss", &ctx);
+                let mut grad = poisoned::<T>(rows * cols);
+                for &s in &starts {
+                    let len = block.min(cols - s);
+                    let b = ce::Block {
+                        cols: len,
+                        first_col: s,
+                        ignore_index: IGNORE,
+                    };
+                    let mut g = blk(s);
+                    let scale = Scale {
+                        all: <T::Acc as CeMath>::from_f64(all),
+                        rows: Some(&row_scale[..]),
+                    };
+                    ce::block_grad(&mut g, &target, &b, &max, scale, &ReverseChunks);
+                    for r in 0..rows {
+                        grad[r * cols + s..r * cols + s + len]
+                            .copy_from_slice(&g[r * len..(r + 1) * len]);
+                    }
+                }
+                let gscale = rs64.iter().map(|s| (s * all).powi(2)).sum::<f64>().sqrt();
+                assert_close_scaled(&to_f64(&grad), &want_g, gscale, 2.0 * T::TOL, "grad", &ctx);
+            });
+        }
+    }
+}
+
+#[test]
+fn vocabulary_blocks_match_float64() {
+    check_blocks::<f32>();
+    check_blocks::<f64>();
+    check_blocks::<bf16>();
+    check_blocks::<f16>();
+}
+
+#[test]
+fn vocabulary_blocks_keep_masked_and_nan_rows() {
+    // Row 0: its whole first block is -inf (that block adds nothing); row 1: a NaN in a block
+    // of -inf (the loss is NaN, as the whole-row kernel gives).
+    let inf = f32::NEG_INFINITY;
+    let x = [[inf, inf, 1.0, 2.0], [inf, f32::NAN, 0.5, 0.25]];
+    let target = [3i64, 2];
+    let (mut max, mut sum, mut tl, mut loss) = ([0f32; 2], [0f32; 2], [0f32; 2], [7f32; 2]);
+    for (k, s) in [0usize, 2].into_iter().enumerate() {
+        let blk: Vec<f32> = x.iter().flat_map(|r| r[s..s + 2].iter().copied()).collect();
+        let b = ce::Block {
+            cols: 2,
+            first_col: s,
+            ignore_index: IGNORE,
+        };
+        let stats = ce::BlockStats {
+            max: &mut max,
+            sum: &mut sum,
+            target_logit: &mut tl,
+            loss: if k == 1 { Some(&mut loss) } else { None },
+            first: k == 0,
+        };
+        ce::block_stats(&blk, &target, &b, stats, &Serial);
+    }
+    let want = (1f64.exp() + 2f64.exp()).ln() - 2.0;
+    assert!((f64::from(loss[0]) - want).abs() < 1e-6, "{loss:?}");
+    assert!(loss[1].is_nan(), "{loss:?}");
+}

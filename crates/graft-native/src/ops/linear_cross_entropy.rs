@@ -1,8 +1,10 @@
 //! Fused linear cross-entropy: `torchgraft::linear_cross_entropy` and its backward, on CPU and
-//! CUDA: `cross_entropy(hidden @ weight.T + bias, target)` computed by chunks of rows so that
-//! the `(N, V)` logits never exist.
+//! CUDA: `cross_entropy(hidden @ weight.T + bias, target)` computed so that the `(N, V)` logits
+//! never exist, by one of two schemes ([`choose_scheme`] picks; `chunk_size > 0` asks for the
+//! first).
 //!
-//! For each chunk of `C` rows, in Rust, on the tensors' device and (CUDA) current stream:
+//! **Row chunks.** For each chunk of `C` rows, in Rust, on the tensors' device and (CUDA)
+//! current stream:
 //!
 //! 1. `logits = hidden[chunk] @ weight.T (+ bias)` into one reused `(C, V)` buffer (aten::mm.out,
 //!    or aten::addmm with the bias; cuBLAS on CUDA);
@@ -12,32 +14,53 @@
 //!    `d_weight += d_logits.T @ hidden[chunk]` (aten::addmm accumulating in place; aten::mm.out
 //!    for the first chunk), and the chunk's column sums of `d_logits` for `d_bias`.
 //!
+//! **Two passes over vocabulary blocks** ([`run_two_pass`]). For each group of `R` rows and
+//! blocks of `Vb` classes (weight rows), sizes in [`two_pass_sizes`]:
+//!
+//! 1. pass 1, per block: `logits_blk = h_grp @ W_blk.T (+ bias_blk)` into an `(R, Vb)` buffer;
+//!    the block stats kernel merges each row's running maximum and sum of exponentials (f32,
+//!    online softmax) and records the target's logit; after the last block it writes
+//!    `lse = m + log s` and the loss `lse - z_t` (0 for ignored rows);
+//! 2. pass 2 (when a gradient is wanted), per block: the logits again; the block grad kernel
+//!    writes `g = (exp(z - lse) - [j == t]) * factor` over them (`1 / count` for a mean, 1 for
+//!    a sum, the row's upstream gradient in `none`'s backward, 0 for ignored rows);
+//!    `d_hidden_acc += g @ W_blk` (an f32 `R x H` accumulator for bf16 / f16, rounded into
+//!    `d_hidden` once per group: on CUDA cuBLAS's 16-bit -> f32 product through aten::mm.dtype_out
+//!    added by the accumulate kernel, on the CPU the product in the dtype added in f32; f32 / f64
+//!    accumulate in `d_hidden` itself); `d_weight[blk] = g.T @ h_grp` for the first group
+//!    (written once), `+=` for the later ones; `d_bias` from the blocks' column sums.
+//!
+//! One more `(N, V, H)` GEMM than the row chunks (the logits twice), and a buffer of about the
+//! hidden states' size instead of `C x V` logits; with one group (`R = N`, f32 / f64 at the usual
+//! shapes) no read-modify-write of `d_weight` at all.
+//!
 //! The weight gradient accumulates in the weight's dtype, in place, as Liger-Kernel's does by
 //! default: no second `(V, H)` buffer (an f32 accumulator would cost `4 V H` bytes more, e.g.
 //! +1 GiB at V = 128256, H = 2048, and twice the accumulator traffic per chunk). Each chunk's
-//! product is computed in f32 by the GEMM and rounded once when added, so `d_weight` carries
-//! one rounding per chunk (measured: 2x eager's error at 8 chunks, 4x at 32, in bf16). Larger
-//! chunks mean fewer roundings and faster accumulation at the cost of a larger logits buffer.
-//! The bias gradient sums per-chunk f32 column sums at the end (exact to f32).
+//! (group's) product is computed in f32 by the GEMM and rounded once when added, so `d_weight`
+//! carries one rounding per chunk (measured for row chunks: 2x eager's error at 8 chunks, 4x at
+//! 32, in bf16). Larger chunks mean fewer roundings and faster accumulation at the cost of a
+//! larger buffer. The bias gradient sums per-chunk f32 column sums at the end (exact to f32).
 //!
 //! With `mean` / `sum` every gradient is complete after the forward: the backward only scales
 //! it by the upstream gradient (`scale_grad_`). With `none` the upstream gradient is one factor
 //! per row, which must multiply each row of `d_logits` before the sums over rows: the forward
-//! computes the losses only, and `linear_cross_entropy_backward` runs the chunks again with
+//! computes the losses only, and `linear_cross_entropy_backward` runs the scheme again with
 //! those factors.
 
 use graft_abi::{aten, dispatch, ensure, DType, Device, DeviceType, Element, Error, Kernel};
 use graft_abi::{NewTensor, Result, Tensor};
-use graft_kernels::cross_entropy::CeMath;
+use graft_kernels::cross_entropy::{self as ce, CeMath, Scale};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
 use super::cross_entropy::{
-    acc_dtype, check_target, count_cpu, grad_scale, ptr, rows_cpu, rows_cuda, CpuRows, CudaCall,
-    CudaRows, Loss, Reduction,
+    acc_dtype, check_target, count_cpu, cuda_dtype, cuda_error, grad_scale, ptr, rows_cpu,
+    rows_cuda, CpuRows, CudaCall, CudaRows, Loss, Reduction,
 };
 use crate::rms_norm::contiguous;
 use crate::stats::Counters;
+use crate::threads::TorchPool;
 
 pub static LINEAR_CROSS_ENTROPY_CPU: Counters = Counters::new();
 pub static LINEAR_CROSS_ENTROPY_CUDA: Counters = Counters::new();
@@ -56,6 +79,136 @@ pub(crate) fn auto_chunk(rows: usize, hidden: usize, vocab: usize) -> usize {
     let budget = (rows as u128 * hidden as u128).div_ceil(vocab.max(1) as u128);
     let pow2 = (budget.max(1) as usize).next_power_of_two();
     pow2.max(MIN_CHUNK_ROWS).min(rows.max(1))
+}
+
+/// Fewest rows per group of the two-pass scheme (unless there are fewer rows): each group
+/// after the first adds into `d_weight` (a read-modify-write of `(V, H)`), as a row chunk does.
+const MIN_GROUP_ROWS: usize = 1024;
+
+/// Vocabulary blocks of the two-pass scheme are multiples of this many classes (whole GEMM
+/// tiles), unless the vocabulary is smaller.
+const BLOCK_QUANTUM: usize = 128;
+
+/// Sizes of the two-pass, vocabulary-blocked scheme: groups of `group_rows` rows, blocks of
+/// `block_cols` classes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TwoPass {
+    pub group_rows: usize,
+    pub block_cols: usize,
+}
+
+/// How the op runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scheme {
+    /// Row chunks of this many rows (full `(C, V)` logits per chunk).
+    RowChunks(usize),
+    /// Two passes over vocabulary blocks per group of rows.
+    TwoPass(TwoPass),
+}
+
+/// Bytes per row of a group that the two-pass scheme holds besides the logits block: for a
+/// 16-bit dtype the f32 accumulator of `d_hidden` (`4 H`) and the f32 partial product added
+/// into it (`4 H`; on the CPU it is in the dtype, `2 H`, counted as 4 all the same); nothing for
+/// f32 / f64, which accumulate in `d_hidden` itself.
+fn group_row_bytes(hidden: usize, elem: usize) -> usize {
+    if elem == 2 {
+        2 * 4 * hidden
+    } else {
+        0
+    }
+}
+
+/// The two-pass scheme's sizes for `rows x hidden -> vocab` in elements of `elem` bytes: its
+/// buffers (logits block `R x Vb` + [`group_row_bytes`] per row) within one hidden-sized tensor
+/// (`N H` elements: Liger-Kernel's budget for its chunk, and the row chunks' here).
+///
+/// `Vb` starts at `H` (rounded up to a multiple of [`BLOCK_QUANTUM`], at most `V`); `R` is
+/// every row if they fit, else the largest power of two that fits, at least
+/// [`MIN_GROUP_ROWS`]; then `Vb` grows (multiples of [`BLOCK_QUANTUM`], at most `V`) to fill
+/// what `R` leaves of the budget: fewer, larger blocks.
+///
+/// Llama 3.2 1B's head at 8192 tokens (2048 -> 128256), bf16: budget 8192 x 2048 x 2 = 32 MiB;
+/// Vb = 2048 gives 2048 x 2 + 2048 x 8 = 20 KiB per row, 1638 rows: R = 1024; then
+/// Vb = (32 KiB - 16 KiB) / 2 = 8192. Buffers: logits 1024 x 8192 x 2 = 16 MiB, accumulator
+/// 1024 x 2048 x 4 = 8 MiB, partial product 8 MiB: 32 MiB. With d_weight (128256 x 2048 x 2 =
+/// 501 MiB) and d_hidden (32 MiB) the op's peak is 565 MiB plus the per-row vectors (5 x 8192
+/// x 4 bytes), against Liger's 596 MiB and the row chunks' 784 MiB. In f32 the same budget
+/// holds every row (R = N = 8192, Vb = 2048: logits 64 MiB = hidden): no read-modify-write of
+/// d_weight at all.
+pub(crate) fn two_pass_sizes(rows: usize, hidden: usize, vocab: usize, elem: usize) -> TwoPass {
+    let (n, v) = (rows.max(1), vocab.max(1));
+    let budget = n as u128 * hidden.max(1) as u128 * elem as u128;
+    let fixed = group_row_bytes(hidden, elem) as u128;
+    let quantum = BLOCK_QUANTUM.min(v);
+    let vb0 = hidden.max(1).next_multiple_of(quantum).min(v);
+    let fit = budget / (vb0 as u128 * elem as u128 + fixed);
+    let group_rows = if fit >= n as u128 {
+        n
+    } else {
+        let pow2 = if fit == 0 {
+            1
+        } else {
+            1u128 << (127 - fit.leading_zeros())
+        };
+        (pow2 as usize).max(MIN_GROUP_ROWS).min(n)
+    };
+    let per_row = budget / group_rows as u128;
+    let cols = per_row.saturating_sub(fixed) / elem as u128;
+    let block_cols = ((cols as usize) / quantum * quantum).clamp(vb0, v);
+    TwoPass {
+        group_rows,
+        block_cols,
+    }
+}
+
+/// The scheme for a call: `chunk_size > 0` asks for row chunks of that size; automatic
+/// (`chunk_size == 0`) takes the two-pass scheme whenever the row chunks' smallest buffer
+/// (`min(N, MIN_CHUNK_ROWS) x V` logits) would exceed one hidden-sized tensor (`N x H`), else
+/// row chunks of [`auto_chunk`] rows. The one place to change the rule.
+///
+/// `TORCHGRAFT_LCE_SCHEME` (read at each call; for tests and measurements) overrides it: `rows`
+/// runs row chunks (of `chunk_size`, or automatic), `R,Vb` the two-pass scheme with groups of
+/// `R` rows and blocks of `Vb` classes whatever `chunk_size` is.
+pub(crate) fn choose_scheme(
+    rows: usize,
+    hidden: usize,
+    vocab: usize,
+    elem: usize,
+    chunk_size: usize,
+) -> Scheme {
+    let rows_scheme = || {
+        Scheme::RowChunks(if chunk_size == 0 {
+            auto_chunk(rows, hidden, vocab)
+        } else {
+            chunk_size.min(rows.max(1))
+        })
+    };
+    match std::env::var("TORCHGRAFT_LCE_SCHEME")
+        .ok()
+        .as_deref()
+        .map(str::trim)
+    {
+        Some("rows") => return rows_scheme(),
+        Some(v) => {
+            if let Some((r, b)) = v.split_once(',') {
+                if let (Ok(r), Ok(b)) = (r.trim().parse::<usize>(), b.trim().parse::<usize>()) {
+                    if r > 0 && b > 0 {
+                        return Scheme::TwoPass(TwoPass {
+                            group_rows: r.min(rows.max(1)),
+                            block_cols: b.min(vocab.max(1)),
+                        });
+                    }
+                }
+            }
+        }
+        None => {}
+    }
+    let chunk_logits = rows.min(MIN_CHUNK_ROWS) as u128 * vocab as u128;
+    if chunk_size == 0 && chunk_logits > rows as u128 * hidden as u128 {
+        Scheme::TwoPass(two_pass_sizes(rows, hidden, vocab, elem))
+    } else {
+        rows_scheme()
+    }
 }
 
 /// Which gradients to compute: hidden, weight, bias.
@@ -191,6 +344,30 @@ fn mm_out(a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `out = a @ b` in `dtype` (aten::mm.dtype_out: bf16 / f16 operands, f32 result; CUDA only).
+fn mm_dtype_out(a: &Tensor, b: &Tensor, dtype: DType, out: &Tensor) -> Result<()> {
+    let (_,): (Tensor,) = dispatch::call(c"aten::mm", c"dtype_out", (a, b, dtype, out))?;
+    Ok(())
+}
+
+/// Columns `start..end` of a 2-D tensor (a view).
+fn slice_cols(t: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+    let (out,): (Tensor,) = dispatch::call(
+        c"aten::slice",
+        c"Tensor",
+        (t, 1i64, Some(start as i64), Some(end as i64), 1i64),
+    )?;
+    Ok(out)
+}
+
+/// The first `rows * cols` elements of the flat `t`, viewed as `(rows, cols)`.
+fn view_2d(t: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
+    let flat = slice_rows(t, 0, rows * cols)?;
+    let sizes: &[i64] = &[rows as i64, cols as i64];
+    let (out,): (Tensor,) = dispatch::call(c"aten::view", c"", (&flat, sizes))?;
+    Ok(out)
+}
+
 /// `out = sum(t, dim 0, keepdim)` in `dtype` (aten::sum.IntList_out; `out` is `(1, cols)`).
 fn column_sums_out(t: &Tensor, dtype: DType, out: &Tensor) -> Result<()> {
     let dims: &[i64] = &[0];
@@ -243,12 +420,65 @@ struct Chunk<'a> {
     grad: bool,
 }
 
+/// Per-row running statistics of the two-pass scheme (accumulation dtype, one per row).
+struct RowStats {
+    /// Running maximum; the log-sum-exp after pass 1.
+    max: NewTensor,
+    sum: NewTensor,
+    target_logit: NewTensor,
+}
+
+/// One block of the two-pass scheme: classes `first_col..first_col + cols` of rows
+/// `start..start + len`, whose logits fill the first `len * cols` elements of `buf`.
+struct BlockStep<'a> {
+    buf: &'a mut NewTensor,
+    stats: &'a mut RowStats,
+    /// Every row's loss (written by the last block of pass 1).
+    loss_rows: &'a mut NewTensor,
+    /// Every row's gradient factor, when given.
+    row_scale: Option<&'a Tensor>,
+    start: usize,
+    len: usize,
+    first_col: usize,
+    cols: usize,
+    first: bool,
+    last: bool,
+}
+
+impl BlockStep<'_> {
+    fn block(&self, loss: &Loss) -> ce::Block {
+        ce::Block {
+            cols: self.cols,
+            first_col: self.first_col,
+            ignore_index: loss.ignore_index,
+        }
+    }
+}
+
 /// The device-specific steps: the targets' check and count, and a chunk's cross-entropy rows.
 trait ChunkStep {
     /// Checks the targets and counts the rows not ignored.
     fn count(&mut self, p: &Problem, loss: &Loss) -> Result<()>;
     /// The chunk's losses, and its gradient over its logits when `c.grad`.
     fn rows(&mut self, p: &Problem, loss: &Loss, c: Chunk<'_>) -> Result<()>;
+    /// Two-pass scheme, pass 1: one block's logits merged into the rows' statistics (the
+    /// losses and log-sum-exps after the last block).
+    fn block_stats(&mut self, p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()>;
+    /// Two-pass scheme, pass 2: one block's logits replaced by their gradient.
+    fn block_grad(&mut self, p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()>;
+    /// The dtype of the partial products `g @ W_blk` added into the f32 accumulator of a
+    /// 16-bit `d_hidden`.
+    fn product_dtype(&self, dtype: DType) -> DType;
+    /// `acc = g @ w` (`first`) or `acc += g @ w` over the first `g.rows x w.cols` elements of
+    /// `acc` (f32), through those of `tmp` (`product_dtype`).
+    fn add_product(
+        &mut self,
+        acc: &mut NewTensor,
+        tmp: &mut NewTensor,
+        g: &Tensor,
+        w: &Tensor,
+        first: bool,
+    ) -> Result<()>;
 }
 
 struct CpuStep {
@@ -274,6 +504,115 @@ impl ChunkStep for CpuStep {
             _ => typed!(f16),
         }
     }
+
+    fn block_stats(&mut self, p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()> {
+        match p.dtype {
+            DType::F32 => cpu_block_stats::<f32>(p, loss, b),
+            DType::F64 => cpu_block_stats::<f64>(p, loss, b),
+            DType::BF16 => cpu_block_stats::<bf16>(p, loss, b),
+            _ => cpu_block_stats::<f16>(p, loss, b),
+        }
+    }
+
+    fn block_grad(&mut self, p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()> {
+        let all = grad_scale(loss.reduction, self.valid);
+        match p.dtype {
+            DType::F32 => cpu_block_grad::<f32>(p, loss, b, all),
+            DType::F64 => cpu_block_grad::<f64>(p, loss, b, all),
+            DType::BF16 => cpu_block_grad::<bf16>(p, loss, b, all),
+            _ => cpu_block_grad::<f16>(p, loss, b, all),
+        }
+    }
+
+    /// ATen has no mixed-precision matmul on the CPU: the product is in the dtype, added into
+    /// the f32 accumulator.
+    fn product_dtype(&self, dtype: DType) -> DType {
+        dtype
+    }
+
+    fn add_product(
+        &mut self,
+        acc: &mut NewTensor,
+        tmp: &mut NewTensor,
+        g: &Tensor,
+        w: &Tensor,
+        first: bool,
+    ) -> Result<()> {
+        let (rows, cols) = product_shape(g, w)?;
+        mm_out(g, w, &view_2d(tmp.tensor(), rows, cols)?)?;
+        let n = rows * cols;
+        let acc = &mut acc.as_mut_slice::<f32>()?[..n];
+        match tmp.tensor().dtype()? {
+            DType::BF16 => add_widened(acc, &tmp.as_mut_slice::<bf16>()?[..n], first),
+            _ => add_widened(acc, &tmp.as_mut_slice::<f16>()?[..n], first),
+        }
+        Ok(())
+    }
+}
+
+/// The shape of `g @ w`.
+fn product_shape(g: &Tensor, w: &Tensor) -> Result<(usize, usize)> {
+    Ok((g.sizes()?[0] as usize, w.sizes()?[1] as usize))
+}
+
+/// `acc = src` (`first`) or `acc += src`, widened to f32.
+fn add_widened<T: Float<Acc = f32>>(acc: &mut [f32], src: &[T], first: bool) {
+    if first {
+        for (a, s) in acc.iter_mut().zip(src) {
+            *a = s.to_acc();
+        }
+    } else {
+        for (a, s) in acc.iter_mut().zip(src) {
+            *a += s.to_acc();
+        }
+    }
+}
+
+fn cpu_block_stats<T>(p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()>
+where
+    T: Float + Element,
+    T::Acc: CeMath + Element,
+{
+    let (start, len) = (b.start, b.len);
+    let block = b.block(loss);
+    let target = &p.target.as_slice::<i64>()?[start..start + len];
+    let x = &b.buf.as_mut_slice::<T>()?[..len * b.cols];
+    let rows = start..start + len;
+    let stats = ce::BlockStats {
+        max: &mut b.stats.max.as_mut_slice::<T::Acc>()?[rows.clone()],
+        sum: &mut b.stats.sum.as_mut_slice::<T::Acc>()?[rows.clone()],
+        target_logit: &mut b.stats.target_logit.as_mut_slice::<T::Acc>()?[rows.clone()],
+        loss: if b.last {
+            Some(&mut b.loss_rows.as_mut_slice::<T::Acc>()?[rows])
+        } else {
+            None
+        },
+        first: b.first,
+    };
+    ce::block_stats(x, target, &block, stats, &TorchPool);
+    Ok(())
+}
+
+fn cpu_block_grad<T>(p: &Problem, loss: &Loss, b: BlockStep<'_>, all: f64) -> Result<()>
+where
+    T: Float + Element,
+    T::Acc: CeMath + Element,
+{
+    let (start, len) = (b.start, b.len);
+    let block = b.block(loss);
+    let target = &p.target.as_slice::<i64>()?[start..start + len];
+    let rows = b
+        .row_scale
+        .map(|s| s.as_slice::<T::Acc>().map(|s| &s[start..start + len]))
+        .transpose()?;
+    let lse = &b.stats.max.as_mut_slice::<T::Acc>()?[start..start + len];
+    let x = &mut b.buf.as_mut_slice::<T>()?[..len * b.cols];
+    let scale = Scale {
+        all: T::Acc::from_f64(all),
+        rows,
+    };
+    ce::block_grad(x, target, &block, lse, scale, &TorchPool);
+    Ok(())
 }
 
 fn cpu_rows<T>(p: &Problem, loss: &Loss, c: Chunk<'_>, valid: usize) -> Result<()>
@@ -344,6 +683,91 @@ impl ChunkStep for CudaStep {
             loss,
         )
     }
+
+    fn block_stats(&mut self, p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()> {
+        let acc = acc_dtype(p.dtype).size().unwrap_or(4) as u64;
+        let at = |t: &Tensor| Ok::<_, Error>(ptr(t)? + acc * b.start as u64);
+        graft_cuda::cross_entropy_block_stats(&graft_cuda::CrossEntropyBlockStats {
+            device: self.call.device.index,
+            stream: self.call.stream,
+            dtype: cuda_dtype("linear_cross_entropy", p.dtype)?,
+            logits: ptr(b.buf.tensor())?,
+            target: ptr(&p.target)? + 8 * b.start as u64,
+            max: at(b.stats.max.tensor())?,
+            sum: at(b.stats.sum.tensor())?,
+            target_logit: at(b.stats.target_logit.tensor())?,
+            loss: if b.last {
+                Some(at(b.loss_rows.tensor())?)
+            } else {
+                None
+            },
+            first: b.first,
+            rows: b.len,
+            cols: b.cols,
+            first_col: b.first_col,
+            ignore_index: loss.ignore_index,
+        })
+        .map_err(cuda_error)
+    }
+
+    fn block_grad(&mut self, p: &Problem, loss: &Loss, b: BlockStep<'_>) -> Result<()> {
+        let acc = acc_dtype(p.dtype).size().unwrap_or(4) as u64;
+        let offset = acc * b.start as u64;
+        let count = self.count.as_ref().expect("counted first");
+        graft_cuda::cross_entropy_block_grad(&graft_cuda::CrossEntropyBlockGrad {
+            device: self.call.device.index,
+            stream: self.call.stream,
+            dtype: cuda_dtype("linear_cross_entropy", p.dtype)?,
+            logits: ptr(b.buf.tensor())?,
+            target: ptr(&p.target)? + 8 * b.start as u64,
+            lse: ptr(b.stats.max.tensor())? + offset,
+            count: if loss.reduction == Reduction::Mean {
+                Some(ptr(count)?)
+            } else {
+                None
+            },
+            row_scale: b
+                .row_scale
+                .map(|s| Ok::<_, Error>(ptr(s)? + offset))
+                .transpose()?,
+            rows: b.len,
+            cols: b.cols,
+            first_col: b.first_col,
+            ignore_index: loss.ignore_index,
+        })
+        .map_err(cuda_error)
+    }
+
+    /// cuBLAS's bf16 / f16 x bf16 / f16 -> f32 product (aten::mm.dtype_out): no rounding of
+    /// the partial products to 16 bits. (aten::addmm.dtype_out would accumulate in place, but
+    /// its Scalar arguments cannot cross torch_call_dispatcher, and the AOTInductor shim does
+    /// not export it: hence `tmp` and the accumulate kernel.)
+    fn product_dtype(&self, _dtype: DType) -> DType {
+        DType::F32
+    }
+
+    fn add_product(
+        &mut self,
+        acc: &mut NewTensor,
+        tmp: &mut NewTensor,
+        g: &Tensor,
+        w: &Tensor,
+        first: bool,
+    ) -> Result<()> {
+        let (rows, cols) = product_shape(g, w)?;
+        if first {
+            return mm_dtype_out(g, w, DType::F32, &view_2d(acc.tensor(), rows, cols)?);
+        }
+        mm_dtype_out(g, w, DType::F32, &view_2d(tmp.tensor(), rows, cols)?)?;
+        graft_cuda::accumulate_f32(&graft_cuda::AccumulateF32 {
+            device: self.call.device.index,
+            stream: self.call.stream,
+            acc: ptr(acc.tensor())?,
+            src: ptr(tmp.tensor())?,
+            n: rows * cols,
+        })
+        .map_err(cuda_error)
+    }
 }
 
 /// The chunks: per-row losses, and the gradients in `want` (each row's gradient multiplied by
@@ -352,22 +776,13 @@ fn run_chunks(
     p: &Problem,
     loss: &Loss,
     want: Wanted,
-    chunk_size: i64,
+    chunk: usize,
     row_scale: Option<&Tensor>,
     step: &mut dyn ChunkStep,
 ) -> Result<Outputs> {
     let (n, v, h) = (p.rows, p.vocab, p.hidden_size());
     let (dtype, device) = (p.dtype, p.device);
     let acc = acc_dtype(dtype);
-    ensure!(
-        chunk_size >= 0,
-        "linear_cross_entropy: chunk_size must be positive (0: automatic), got {chunk_size}"
-    );
-    let chunk = if chunk_size == 0 {
-        auto_chunk(n, h, v)
-    } else {
-        (chunk_size as usize).min(n.max(1))
-    };
     step.count(p, loss)?;
     let mut loss_rows = NewTensor::empty(&[n as i64], acc, device)?;
     let d_hidden = if want.hidden {
@@ -456,6 +871,188 @@ fn run_chunks(
     })
 }
 
+/// The gradients' outputs of a run (empty tensors for those not wanted).
+fn gradient_outputs(p: &Problem, want: Wanted) -> Result<(Tensor, Tensor)> {
+    let (n, v, h) = (p.rows as i64, p.vocab as i64, p.hidden_size() as i64);
+    let new = |wanted: bool, sizes: &[i64]| {
+        if wanted {
+            Ok::<_, Error>(NewTensor::empty(sizes, p.dtype, p.device)?.finish())
+        } else {
+            empty(p.dtype, p.device)
+        }
+    };
+    Ok((new(want.hidden, &[n, h])?, new(want.weight, &[v, h])?))
+}
+
+/// The two-pass, vocabulary-blocked scheme (module doc): per group of rows, pass 1 over the
+/// vocabulary blocks for the rows' statistics and losses, then (when a gradient is wanted)
+/// pass 2, recomputing each block's logits, for the gradients.
+fn run_two_pass(
+    p: &Problem,
+    loss: &Loss,
+    want: Wanted,
+    sizes: TwoPass,
+    row_scale: Option<&Tensor>,
+    step: &mut dyn ChunkStep,
+) -> Result<Outputs> {
+    let (n, v, h) = (p.rows, p.vocab, p.hidden_size());
+    let (dtype, device) = (p.dtype, p.device);
+    let acc = acc_dtype(dtype);
+    let (r_max, vb) = (sizes.group_rows.clamp(1, n), sizes.block_cols.clamp(1, v));
+    step.count(p, loss)?;
+    let mut loss_rows = NewTensor::empty(&[n as i64], acc, device)?;
+    let per_row = || NewTensor::empty(&[n as i64], acc, device);
+    let mut stats = RowStats {
+        max: per_row()?,
+        sum: per_row()?,
+        target_logit: per_row()?,
+    };
+    let (d_hidden, d_weight) = gradient_outputs(p, want)?;
+    let groups = n.div_ceil(r_max);
+    let bias_parts = if want.bias {
+        Some(NewTensor::empty(&[groups as i64, v as i64], acc, device)?.finish())
+    } else {
+        None
+    };
+    // 16-bit d_hidden: an f32 accumulator of the group (and the partial product added into
+    // it); f32 / f64 accumulate in d_hidden's rows.
+    let sixteen = dtype.size().unwrap_or(4) == 2;
+    let (mut hacc, mut htmp) = if want.hidden && sixteen {
+        // Flat: the group's rows are the first `len * h` elements (view_2d).
+        let shape = [(r_max * h) as i64];
+        (
+            Some(NewTensor::empty(&shape, DType::F32, device)?),
+            Some(NewTensor::empty(&shape, step.product_dtype(dtype), device)?),
+        )
+    } else {
+        (None, None)
+    };
+    let mut buf = NewTensor::empty(&[(r_max * vb) as i64], dtype, device)?;
+    let grad = want.any();
+    let blocks: Vec<(usize, usize)> = (0..v).step_by(vb).map(|c0| (c0, vb.min(v - c0))).collect();
+    for gi in 0..groups {
+        let start = gi * r_max;
+        let len = r_max.min(n - start);
+        let h_grp = slice_rows(&p.hidden, start, start + len)?;
+        let logits_of = |buf: &NewTensor, c0: usize, cols: usize| -> Result<Tensor> {
+            let logits = view_2d(buf.tensor(), len, cols)?;
+            let w_t = transpose(&slice_rows(&p.weight, c0, c0 + cols)?)?;
+            match p.bias.as_ref() {
+                Some(b) => {
+                    let b_blk = slice_rows(b, c0, c0 + cols)?;
+                    aten::addmm_out(&logits, &b_blk, &h_grp, &w_t, 1.0, 1.0)?;
+                }
+                None => mm_out(&h_grp, &w_t, &logits)?,
+            }
+            Ok(logits)
+        };
+        // Pass 1: the statistics, the losses.
+        for (k, &(c0, cols)) in blocks.iter().enumerate() {
+            logits_of(&buf, c0, cols)?;
+            let b = BlockStep {
+                buf: &mut buf,
+                stats: &mut stats,
+                loss_rows: &mut loss_rows,
+                row_scale,
+                start,
+                len,
+                first_col: c0,
+                cols,
+                first: k == 0,
+                last: k + 1 == blocks.len(),
+            };
+            step.block_stats(p, loss, b)?;
+        }
+        if !grad {
+            continue;
+        }
+        // Pass 2: the gradients.
+        let dh_grp = if want.hidden {
+            Some(slice_rows(&d_hidden, start, start + len)?)
+        } else {
+            None
+        };
+        for (k, &(c0, cols)) in blocks.iter().enumerate() {
+            logits_of(&buf, c0, cols)?;
+            let b = BlockStep {
+                buf: &mut buf,
+                stats: &mut stats,
+                loss_rows: &mut loss_rows,
+                row_scale,
+                start,
+                len,
+                first_col: c0,
+                cols,
+                first: k == 0,
+                last: k + 1 == blocks.len(),
+            };
+            step.block_grad(p, loss, b)?;
+            let g = view_2d(buf.tensor(), len, cols)?;
+            let w_blk = slice_rows(&p.weight, c0, c0 + cols)?;
+            match (hacc.as_mut(), htmp.as_mut(), dh_grp.as_ref()) {
+                (Some(hacc), Some(htmp), _) => {
+                    step.add_product(hacc, htmp, &g, &w_blk, k == 0)?;
+                }
+                (_, _, Some(dh)) if k == 0 => mm_out(&g, &w_blk, dh)?,
+                (_, _, Some(dh)) => aten::addmm_out(dh, dh, &g, &w_blk, 1.0, 1.0)?,
+                _ => {}
+            }
+            if want.weight {
+                let dw_blk = slice_rows(&d_weight, c0, c0 + cols)?;
+                let g_t = transpose(&g)?;
+                if gi == 0 {
+                    mm_out(&g_t, &h_grp, &dw_blk)?;
+                } else {
+                    aten::addmm_out(&dw_blk, &dw_blk, &g_t, &h_grp, 1.0, 1.0)?;
+                }
+            }
+            if let Some(parts) = bias_parts.as_ref() {
+                let out = slice_cols(&slice_rows(parts, gi, gi + 1)?, c0, c0 + cols)?;
+                column_sums_out(&g, acc, &out)?;
+            }
+        }
+        if let (Some(hacc), Some(dh)) = (hacc.as_ref(), dh_grp.as_ref()) {
+            // Rounded to the dtype once.
+            dh.copy_from(&view_2d(hacc.tensor(), len, h)?)?;
+        }
+    }
+    let d_bias = match bias_parts {
+        Some(parts) => column_sums(&parts, dtype)?,
+        None => empty(dtype, device)?,
+    };
+    Ok(Outputs {
+        loss_rows: loss_rows.finish(),
+        d_hidden,
+        d_weight,
+        d_bias,
+    })
+}
+
+/// Runs the scheme [`choose_scheme`] picks.
+fn run(
+    p: &Problem,
+    loss: &Loss,
+    want: Wanted,
+    chunk_size: i64,
+    row_scale: Option<&Tensor>,
+    step: &mut dyn ChunkStep,
+) -> Result<Outputs> {
+    ensure!(
+        chunk_size >= 0,
+        "linear_cross_entropy: chunk_size must be positive (0: automatic), got {chunk_size}"
+    );
+    let (n, v, h) = (p.rows, p.vocab, p.hidden_size());
+    let elem = p.dtype.size().unwrap_or(4);
+    match choose_scheme(n, h, v, elem, chunk_size as usize) {
+        // No rows or no classes: the row chunks' zeros.
+        Scheme::TwoPass(sizes) if n > 0 && v > 0 => {
+            run_two_pass(p, loss, want, sizes, row_scale, step)
+        }
+        Scheme::TwoPass(_) => run_chunks(p, loss, want, 1, row_scale, step),
+        Scheme::RowChunks(chunk) => run_chunks(p, loss, want, chunk, row_scale, step),
+    }
+}
+
 /// Forward: `(loss, d_hidden, d_weight, d_bias)`, the gradients empty when not wanted (and for
 /// `none`, whose backward computes them).
 fn forward(
@@ -482,13 +1079,13 @@ fn forward(
             call: CudaCall::new(p.device)?,
             count: None,
         };
-        let out = run_chunks(&p, loss, want, chunk_size, None, &mut step)?;
+        let out = run(&p, loss, want, chunk_size, None, &mut step)?;
         let count = step.count.take().expect("counted");
         let l = step.call.reduce(out.loss_rows, loss.reduction, &count)?;
         return Ok((l, out.d_hidden, out.d_weight, out.d_bias));
     }
     let mut step = CpuStep { valid: 0 };
-    let out = run_chunks(&p, loss, want, chunk_size, None, &mut step)?;
+    let out = run(&p, loss, want, chunk_size, None, &mut step)?;
     let l = reduce_rows_cpu(out.loss_rows, loss.reduction, step.valid, p.dtype)?;
     Ok((l, out.d_hidden, out.d_weight, out.d_bias))
 }
@@ -560,10 +1157,10 @@ fn backward(
             call: CudaCall::new(p.device)?,
             count: None,
         };
-        run_chunks(&p, &loss, want, chunk_size, Some(&factors), &mut step)?
+        run(&p, &loss, want, chunk_size, Some(&factors), &mut step)?
     } else {
         let mut step = CpuStep { valid: 0 };
-        run_chunks(&p, &loss, want, chunk_size, Some(&factors), &mut step)?
+        run(&p, &loss, want, chunk_size, Some(&factors), &mut step)?
     };
     Ok((out.d_hidden, out.d_weight, out.d_bias))
 }
@@ -627,7 +1224,54 @@ impl<const CUDA: bool> Kernel for LinearCrossEntropyBackwardKernel<CUDA> {
 
 #[cfg(test)]
 mod tests {
-    use super::auto_chunk;
+    use super::{auto_chunk, choose_scheme, two_pass_sizes, Scheme, TwoPass};
+
+    fn sizes(group_rows: usize, block_cols: usize) -> TwoPass {
+        TwoPass {
+            group_rows,
+            block_cols,
+        }
+    }
+
+    #[test]
+    fn two_pass_buffers_hold_about_the_hidden_states() {
+        // Llama 3.2 1B's head at 8192 tokens, bf16: 1024 rows (the f32 accumulator and partial
+        // product take 16 KiB a row), blocks of 8192 classes; 32 MiB = 8192 x 2048 x 2.
+        let s = two_pass_sizes(8192, 2048, 128_256, 2);
+        assert_eq!(s, sizes(1024, 8192));
+        let bytes = s.group_rows * (s.block_cols * 2 + 2 * 4 * 2048);
+        assert!(bytes <= 8192 * 2048 * 2);
+        // f32: every row in one group (no d_weight read-modify-write), blocks of H classes.
+        assert_eq!(two_pass_sizes(8192, 2048, 128_256, 4), sizes(8192, 2048));
+        assert_eq!(two_pass_sizes(8192, 2048, 128_256, 8), sizes(8192, 2048));
+        // Few rows: all of them; blocks never wider than the vocabulary.
+        assert_eq!(two_pass_sizes(37, 24, 50, 2), sizes(37, 50));
+        assert_eq!(two_pass_sizes(6, 4, 7, 8), sizes(6, 7));
+        // Odd sizes: blocks are whole multiples of 128 classes.
+        let s = two_pass_sizes(100_000, 1000, 50_000, 2);
+        assert_eq!(s.group_rows, 16_384);
+        assert!(s.block_cols.is_multiple_of(128) && s.block_cols >= 1024);
+        assert!(s.group_rows * (s.block_cols * 2 + 8 * 1000) <= 100_000 * 1000 * 2);
+    }
+
+    #[test]
+    fn automatic_scheme_is_two_pass_when_a_row_chunk_outgrows_the_hidden_states() {
+        // (TORCHGRAFT_LCE_SCHEME is not set under cargo test.)
+        assert_eq!(
+            choose_scheme(8192, 2048, 128_256, 2, 0),
+            Scheme::TwoPass(sizes(1024, 8192))
+        );
+        // A chunk size asks for row chunks.
+        assert_eq!(
+            choose_scheme(8192, 2048, 128_256, 2, 2048),
+            Scheme::RowChunks(2048)
+        );
+        // 1024 x 32000 logits fit in 65536 x 4096 hidden states: row chunks.
+        assert_eq!(
+            choose_scheme(65_536, 4096, 32_000, 2, 0),
+            Scheme::RowChunks(16_384)
+        );
+    }
 
     #[test]
     fn automatic_chunks_hold_about_the_hidden_states() {
