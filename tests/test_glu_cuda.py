@@ -13,6 +13,10 @@ from torchgraft.ops.glu.reference import geglu_reference, swiglu_reference
 pytestmark = pytest.mark.cuda
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+# float64 gradients: GeGLU's derivative Phi(x) + x phi(x) cancels near x = -0.75 (and SiLU's
+# near x = -1.28), where a tensor of one element shows the kernel's and the reference's
+# roundings amplified a thousandfold (seen: 2.3e-12 on the H100); still 1e5 below float32.
+GRAD_TOL = {torch.float64: 1e-10}
 OPS = {
     "swiglu": (tgf.swiglu, swiglu_reference),
     "geglu": (tgf.geglu, lambda g, u: geglu_reference(g, u, "none")),
@@ -54,8 +58,8 @@ def test_cuda_matches_float64(name, dtype, shape, offset):
     for out in (y, gate.grad, up.grad):
         assert torch.isfinite(out).all()
     assert rel_err_in(y, y64) < TOL[dtype]
-    assert rel_err_in(gate.grad, g64.grad) < 2 * TOL[dtype]
-    assert rel_err_in(up.grad, u64.grad) < 2 * TOL[dtype]
+    assert rel_err_in(gate.grad, g64.grad) < GRAD_TOL.get(dtype, 2 * TOL[dtype])
+    assert rel_err_in(up.grad, u64.grad) < GRAD_TOL.get(dtype, 2 * TOL[dtype])
 
 
 def test_cuda_runs_the_native_kernels_on_the_current_stream():

@@ -207,10 +207,11 @@ def linear_cross_entropy(
     The full ``(N, V)`` logits never exist. With ``chunk_size``, the rows are processed in
     chunks: each chunk's logits are computed into one reused buffer, turned into their gradient
     in place, and multiplied into the gradients of ``hidden``, ``weight`` and ``bias`` right away
-    (those that require grad). By default, when a chunk of 1024 rows' logits would be larger
-    than ``hidden``, groups of rows run two passes over blocks of the vocabulary instead
-    (statistics, then gradients, each block's logits computed twice): one more matmul, and
-    buffers about the size of ``hidden``. The weight gradient accumulates in the weight's dtype
+    (those that require grad). With ``TORCHGRAFT_LCE_SCHEME=two-pass`` in the environment,
+    groups of rows run two passes over blocks of the vocabulary instead (statistics, then
+    gradients, each block's logits computed twice): one more matmul, buffers about the size of
+    ``hidden``; less memory than Liger-Kernel's, slower than row chunks (docs/losses.md has the
+    H100 figures). The weight gradient accumulates in the weight's dtype
     (one rounding per chunk or group of rows, as Liger-Kernel's default). The loss is float32
     (float64 for float64 inputs). Under autocast the matmul's operands are cast as ``F.linear``
     casts them.
@@ -223,8 +224,8 @@ def linear_cross_entropy(
         ignore_index: Target value of rows to skip.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (then the backward runs the chunks again
             with each row's upstream gradient).
-        chunk_size: Rows per chunk; by default the two-pass scheme above, or when a chunk fits,
-            a logits buffer about the size of ``hidden`` (at least 1024 rows). Larger chunks are
+        chunk_size: Rows per chunk; by default a logits buffer about the size of ``hidden``
+            (at least 1024 rows). Larger chunks are
             faster and round the weight gradient fewer times, and cost ``chunk_size * V``
             elements.
     """

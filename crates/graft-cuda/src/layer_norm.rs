@@ -234,7 +234,11 @@ pub(crate) fn plan(p: &Problem, lim: &DeviceLimits, attrs: &dyn Fn(Body) -> Kern
             let per_warp = if s.tpr < 32 { 32 / s.tpr } else { 1 };
             let mut bytes = 0;
             if p.backward && p.sums {
-                while rpb > per_warp && smem(rpb) > BWD_ROWS_SMEM_LIMIT {
+                // Static and dynamic shared memory together within the default limit (these
+                // kernels do not opt in to more).
+                let body = Body::Rows { v: s.v, vec: p.vec };
+                let limit = BWD_ROWS_SMEM_LIMIT.saturating_sub(u64::from(attrs(body).static_smem));
+                while rpb > per_warp && smem(rpb) > limit {
                     rpb -= per_warp;
                 }
                 bytes = smem(rpb);
@@ -529,6 +533,19 @@ mod tests {
             assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
             assert!(pl.grid <= lim.sms * BWD_MAX_BLOCKS_PER_SM);
             assert!(u64::from(pl.smem) <= BWD_ROWS_SMEM_LIMIT);
+        }
+        // Every hidden size: the block's shared memory, static and dynamic, within the default
+        // 48 KiB (hidden 2048 once asked for 48 KiB of dynamic memory on top of the static).
+        for cols in (64..=8192).step_by(64) {
+            for elem in [2, 4] {
+                let pl = plan(&problem(true, elem, 8192, cols), &lim, &attrs);
+                let total = u64::from(pl.smem) + u64::from(attrs(pl.body).static_smem);
+                assert!(
+                    total <= BWD_ROWS_SMEM_LIMIT,
+                    "cols {cols} elem {elem}: {pl:?}"
+                );
+                assert!(pl.block <= attrs(pl.body).max_threads);
+            }
         }
         // Beyond the registers: the loop kernels.
         let pl = plan(&problem(true, 2, 10, 20000), &lim, &attrs);
