@@ -141,6 +141,7 @@ def main() -> None:
     assert len(glu_shape) == 2, "--glu-shape is ROWSxCOLS"
 
     results: dict[str, Any] = {}
+    load_before = os.getloadavg()
     print(
         f"{'op':11} {'dtype':5} {'pass':16} {'eager ms':>9} {'tg ms':>8} {'speedup':>8} "
         f"{'cpu-time speedup':>17}"
@@ -174,6 +175,9 @@ def main() -> None:
         "glu_shape": list(glu_shape),
         "rope": {"batch": 2, "tokens": args.tokens, "heads": 32, "kv_heads": 8, "head_dim": 128},
         "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+        # Other processes on a 2-core machine stall every 2-thread op by a scheduler slice:
+        # numbers taken with a 1-minute load average well above 0 are not comparable.
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "repeats": args.repeats,
         "results": results,
     }

@@ -202,6 +202,27 @@ def test_inplace_backward_op_takes_any_layout():
     assert torch.equal(g_view, dgate_ref) and torch.equal(u_view, dup_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_inplace_backward_op_contiguous_matches_out_of_place(dtype):
+    # Contiguous operands take the in-place kernel (several threads' worth of elements); a
+    # gradient sharing memory with gate takes the copying path: both give the same bits.
+    gate, up = _inputs((300, 257), dtype)
+    dy = torch.randn(300, 257).to(dtype)
+    for tanh in (None, True, False):
+        extra = () if tanh is None else (tanh,)
+        name = "swiglu" if tanh is None else "geglu"
+        dgate_ref, dup_ref = getattr(torch.ops.torchgraft, f"{name}_backward")(dy, gate, up, *extra)
+        g, u = gate.clone(), up.clone()
+        getattr(torch.ops.torchgraft, f"{name}_backward_")(dy, g, u, *extra)
+        assert torch.equal(g, dgate_ref) and torch.equal(u, dup_ref)
+        dgate_ref, dup_ref = getattr(torch.ops.torchgraft, f"{name}_backward")(
+            gate, gate, up, *extra
+        )
+        g, u = gate.clone(), up.clone()
+        getattr(torch.ops.torchgraft, f"{name}_backward_")(g, g, u, *extra)
+        assert torch.equal(g, dgate_ref) and torch.equal(u, dup_ref)
+
+
 def test_inplace_backward_compiles():
     def mlp(x, w_gate, w_up):
         return tgf.swiglu(x @ w_gate, x @ w_up, inplace_backward=True).sum()

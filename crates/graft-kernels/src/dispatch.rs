@@ -94,6 +94,8 @@ pub(crate) struct FusedKernels<T: Float> {
     pub glu_forward: fn(Activation, &[T], &[T], &mut [T]),
     /// [`glu::backward_lanes`] over one chunk.
     pub glu_backward: GluBackwardFn<T>,
+    /// [`glu::backward_in_place_lanes`] over one chunk: `(act, gate, up, dy)`.
+    pub glu_backward_in_place: fn(Activation, &mut [T], &mut [T], &[T]),
     /// [`rope::rows_lanes`] over a block of output rows.
     pub rope: fn(&RopeOperand<'_, T>, bool, usize, &mut [T]),
 }
@@ -143,6 +145,9 @@ macro_rules! impl_native_fused {
                         glu_forward: |act, g, u, y| glu::forward_lanes(Portable, act, g, u, y),
                         glu_backward: |act, g, u, dy, dg, du| {
                             glu::backward_lanes(Portable, act, g, u, dy, dg, du)
+                        },
+                        glu_backward_in_place: |act, g, u, dy| {
+                            glu::backward_in_place_lanes(Portable, act, g, u, dy)
                         },
                         rope: |op, bwd, first, out| rope::rows_lanes(Portable, op, bwd, first, out),
                     },

@@ -244,6 +244,41 @@ pub fn backward<T: Float>(
     });
 }
 
+/// [`backward`] writing `dgate` over `gate` and `dup` over `up` (no output buffers: what the
+/// `inplace_backward` option of the Python ops asks for). Each element of `gate`, `up` and `dy`
+/// is read before the same element is written.
+///
+/// # Panics
+/// If the buffers' lengths differ.
+pub fn backward_in_place<T: Float>(
+    act: Activation,
+    gate: &mut [T],
+    up: &mut [T],
+    dy: &[T],
+    par: &dyn Parallel,
+) where
+    T::Acc: GluMath,
+{
+    let n = gate.len();
+    check_lengths(n, &[("up", up.len()), ("dy", dy.len())]);
+    let kernel = fused_kernels::<T>().map(|k| k.glu_backward_in_place);
+    let chunks: Vec<(&mut [T], &mut [T])> =
+        gate.chunks_mut(CHUNK).zip(up.chunks_mut(CHUNK)).collect();
+    blocks::for_each(par, chunks, CHUNK, |i, (g, u)| {
+        let dy = &dy[i * CHUNK..i * CHUNK + g.len()];
+        match kernel {
+            Some(kernel) => kernel(act, g, u, dy),
+            None => {
+                for ((g, u), &d) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
+                    let (f, df) = eval(act, g.to_acc());
+                    let d = d.to_acc();
+                    (*g, *u) = (T::from_acc(d * u.to_acc() * df), T::from_acc(d * f));
+                }
+            }
+        }
+    });
+}
+
 /// `n` elements from `src` as a vector (a partial one past the last whole vector).
 #[inline(always)]
 fn load_n<S, T>(s: S, src: &[T], n: usize) -> S::V
@@ -406,5 +441,72 @@ where
         let d = load_n(s, &dy[at..], n);
         store_n(s, s.mul(s.mul(d, load_n(s, &up[at..], n)), df), dg);
         store_n(s, s.mul(d, f), du);
+    }
+}
+
+/// [`backward_in_place`] over one chunk, in vectors of the token `S`.
+#[inline(always)]
+pub(crate) fn backward_in_place_lanes<S, T>(
+    s: S,
+    act: Activation,
+    gate: &mut [T],
+    up: &mut [T],
+    dy: &[T],
+) where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: ActLanes<S>,
+{
+    match act {
+        Activation::Silu => backward_in_place_with::<S, T, SiluKind>(s, gate, up, dy),
+        Activation::GeluTanh => backward_in_place_with::<S, T, GeluTanhKind>(s, gate, up, dy),
+        Activation::GeluErf => backward_in_place_with::<S, T, GeluErfKind>(s, gate, up, dy),
+    }
+}
+
+/// [`backward_with`] with the outputs over the inputs: each block of `UNROLL` vectors is read
+/// whole before it is written.
+#[inline(always)]
+fn backward_in_place_with<S, T, K>(s: S, gate: &mut [T], up: &mut [T], dy: &[T])
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: ActLanes<S>,
+    K: Kind,
+{
+    let lanes = S::LANES;
+    let step = UNROLL * lanes;
+    let split = gate.len() / step * step;
+    let (g_whole, g_rest) = gate.split_at_mut(split);
+    let (u_whole, u_rest) = up.split_at_mut(split);
+    let wholes = g_whole
+        .chunks_exact_mut(step)
+        .zip(u_whole.chunks_exact_mut(step));
+    for (k, (g, u)) in wholes.enumerate() {
+        let dy = &dy[k * step..][..step];
+        let zero = s.splat(T::Acc::ZERO);
+        let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
+        for j in 0..UNROLL {
+            let at = j * lanes..(j + 1) * lanes;
+            let (f, df) = T::Acc::act(s, K::ACT, T::load(s, &g[at.clone()]));
+            let d = T::load(s, &dy[at.clone()]);
+            dg_v[j] = s.mul(s.mul(d, T::load(s, &u[at])), df);
+            du_v[j] = s.mul(d, f);
+        }
+        for j in 0..UNROLL {
+            let at = j * lanes..(j + 1) * lanes;
+            T::store(s, dg_v[j], &mut g[at.clone()]);
+            T::store(s, du_v[j], &mut u[at]);
+        }
+    }
+    let dy = &dy[split..];
+    let rests = g_rest.chunks_mut(lanes).zip(u_rest.chunks_mut(lanes));
+    for (k, (g, u)) in rests.enumerate() {
+        let (at, n) = (k * lanes, g.len());
+        let (f, df) = T::Acc::act(s, K::ACT, load_n(s, g, n));
+        let d = load_n(s, &dy[at..], n);
+        let dg = s.mul(s.mul(d, load_n(s, u, n)), df);
+        store_n(s, dg, g);
+        store_n(s, s.mul(d, f), u);
     }
 }

@@ -151,3 +151,85 @@ fn lengths_must_match() {
     // An empty problem is fine.
     glu::forward::<bf16>(Activation::Silu, &[], &[], &mut [], &Serial);
 }
+
+/// bf16 outputs are the `f32` kernels' results rounded once (nearest even, NaN quieted, the
+/// subnormals kept) on every ISA: with AVX512-BF16, vectors round with `vcvtneps2bf16` unless a
+/// lane is subnormal (the instruction flushes those) and fall back to integer rounding then.
+#[test]
+fn bf16_outputs_round_the_f32_results_once() {
+    let n = 16 * 40 + 7;
+    let mut rng = Rng::new(11);
+    let mut gate: Vec<bf16> = random(&mut rng, n, 2.0);
+    let mut up: Vec<bf16> = random(&mut rng, n, 1.0);
+    let dy: Vec<bf16> = random(&mut rng, n, 1.0);
+    // Vectors 3 and 9 get subnormal outputs (tiny up), vector 5 NaN and infinite gates.
+    for i in 0..16 {
+        up[3 * 16 + i] = bf16::from_f32(1e-39 * (i as f32 + 1.0));
+        up[9 * 16 + i] = bf16::from_f32(-3e-39);
+    }
+    gate[5 * 16] = bf16::NAN;
+    gate[5 * 16 + 1] = bf16::INFINITY;
+    gate[5 * 16 + 2] = bf16::NEG_INFINITY;
+    let wide = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+    let (gate32, up32, dy32) = (wide(&gate), wide(&up), wide(&dy));
+    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    let rounded = |v: &[f32]| {
+        v.iter()
+            .map(|&x| bf16::from_f32(x).to_bits())
+            .collect::<Vec<u16>>()
+    };
+    for isa in Isa::available() {
+        for act in ACTS {
+            let (mut y, mut y32) = (poisoned::<bf16>(n), poisoned::<f32>(n));
+            with_isa(isa, || {
+                glu::forward(act, &gate, &up, &mut y, &Serial);
+                glu::forward(act, &gate32, &up32, &mut y32, &Serial);
+            });
+            assert_eq!(bits(&y), rounded(&y32), "{isa:?} {act:?} forward");
+            let (mut dg, mut du) = (poisoned::<bf16>(n), poisoned::<bf16>(n));
+            let (mut dg32, mut du32) = (poisoned::<f32>(n), poisoned::<f32>(n));
+            with_isa(isa, || {
+                glu::backward(act, &gate, &up, &dy, &mut dg, &mut du, &Serial);
+                glu::backward(act, &gate32, &up32, &dy32, &mut dg32, &mut du32, &Serial);
+            });
+            assert_eq!(bits(&dg), rounded(&dg32), "{isa:?} {act:?} dgate");
+            assert_eq!(bits(&du), rounded(&du32), "{isa:?} {act:?} dup");
+            assert!(y32[3 * 16..4 * 16].iter().any(|v| v.is_subnormal()));
+        }
+    }
+}
+
+/// The in-place backward gives the out-of-place backward's gradients bit for bit (dtypes, ISAs,
+/// activations, lengths with whole blocks, vectors and tails; several threads).
+fn in_place_matches<T: TestFloat>()
+where
+    T::Acc: GluMath,
+{
+    let mut rng = Rng::new(21);
+    for isa in Isa::available() {
+        for act in ACTS {
+            for n in LENS {
+                let gate: Vec<T> = random(&mut rng, n, 2.0);
+                let up: Vec<T> = random(&mut rng, n, 1.0);
+                let dy: Vec<T> = random(&mut rng, n, 1.0);
+                let (mut dg, mut du) = (poisoned::<T>(n), poisoned::<T>(n));
+                let (mut g, mut u) = (gate.clone(), up.clone());
+                with_isa(isa, || {
+                    glu::backward(act, &gate, &up, &dy, &mut dg, &mut du, &Serial);
+                    glu::backward_in_place(act, &mut g, &mut u, &dy, &Threads(3));
+                });
+                let bits = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&g), bits(&dg), "{isa:?} {act:?} n={n} dgate");
+                assert_eq!(bits(&u), bits(&du), "{isa:?} {act:?} n={n} dup");
+            }
+        }
+    }
+}
+
+#[test]
+fn in_place_backward_matches() {
+    in_place_matches::<f32>();
+    in_place_matches::<f64>();
+    in_place_matches::<bf16>();
+    in_place_matches::<f16>();
+}

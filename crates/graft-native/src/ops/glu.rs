@@ -5,7 +5,9 @@
 //! accepted (non-contiguous inputs are copied first). Outputs are contiguous.
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{ensure, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{
+    ensure, in_place_views, DType, Device, Element, Kernel, NewTensor, Result, Tensor,
+};
 use graft_cuda::{GluActivation, GluBackward, GluForward};
 use graft_kernels::glu::{self, Activation, GluMath};
 use graft_kernels::Float;
@@ -400,18 +402,61 @@ impl Kernel for GegluBackwardCuda {
     }
 }
 
-/// `torchgraft::swiglu_backward_` at CPU (computes into temporaries and copies: the memory
-/// saving is the GPU's).
+fn backward_in_place_cpu_typed<T: Float + Element>(
+    act: Activation,
+    grad: &Tensor,
+    gate: &mut Tensor,
+    up: &mut Tensor,
+) -> Result<()>
+where
+    T::Acc: GluMath,
+{
+    let dy = grad.as_slice::<T>()?;
+    let mut views = in_place_views::<T>(vec![gate, up])?;
+    let [g, u] = views.as_mut_slice() else {
+        unreachable!("two tensors give two views")
+    };
+    glu::backward_in_place::<T>(act, g, u, dy, &TorchPool);
+    Ok(())
+}
+
+/// `gate <- dgate`, `up <- dup` on CPU: by the in-place kernel when `gate`, `up` and `grad` are
+/// contiguous and `grad` shares memory with neither (no allocation, one pass), else by
+/// computing into new tensors and copying.
+fn backward_in_place_cpu(
+    op: &str,
+    act: Activation,
+    grad: &Tensor,
+    mut gate: Tensor,
+    mut up: Tensor,
+) -> Result<()> {
+    check_in_place(op, grad, &gate, &up)?;
+    let contiguous = gate.is_contiguous()? && up.is_contiguous()? && grad.is_contiguous()?;
+    let apart = gate.numel()? == 0 || {
+        let dy = byte_range(grad)?;
+        !overlap(dy, byte_range(&gate)?) && !overlap(dy, byte_range(&up)?)
+    };
+    if !(contiguous && apart) {
+        let backward = || backward_cpu(op, act, grad, &gate, &up);
+        return backward_by_copy(backward, &gate, &up);
+    }
+    match gate.dtype()? {
+        DType::F32 => backward_in_place_cpu_typed::<f32>(act, grad, &mut gate, &mut up),
+        DType::F64 => backward_in_place_cpu_typed::<f64>(act, grad, &mut gate, &mut up),
+        DType::BF16 => backward_in_place_cpu_typed::<bf16>(act, grad, &mut gate, &mut up),
+        DType::F16 => backward_in_place_cpu_typed::<f16>(act, grad, &mut gate, &mut up),
+        other => Err(unsupported(op, other)),
+    }
+}
+
+/// `torchgraft::swiglu_backward_` at CPU.
 pub struct SwigluBackwardInPlaceCpu;
 impl Kernel for SwigluBackwardInPlaceCpu {
     type Args = (Tensor, Tensor, Tensor);
     type Outputs = ();
     fn run((grad, gate, up): Self::Args) -> Result<()> {
         SWIGLU_BACKWARD_INPLACE_CPU.call();
-        let op = "swiglu_backward_";
-        check_in_place(op, &grad, &gate, &up)?;
-        let backward = || backward_cpu(op, Activation::Silu, &grad, &gate, &up);
-        backward_by_copy(backward, &gate, &up)
+        backward_in_place_cpu("swiglu_backward_", Activation::Silu, &grad, gate, up)
     }
 }
 
@@ -422,10 +467,7 @@ impl Kernel for GegluBackwardInPlaceCpu {
     type Outputs = ();
     fn run((grad, gate, up, tanh): Self::Args) -> Result<()> {
         GEGLU_BACKWARD_INPLACE_CPU.call();
-        let op = "geglu_backward_";
-        check_in_place(op, &grad, &gate, &up)?;
-        let backward = || backward_cpu(op, gelu(tanh), &grad, &gate, &up);
-        backward_by_copy(backward, &gate, &up)
+        backward_in_place_cpu("geglu_backward_", gelu(tanh), &grad, gate, up)
     }
 }
 
