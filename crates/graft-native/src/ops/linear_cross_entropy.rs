@@ -166,8 +166,8 @@ pub(crate) fn two_pass_sizes(rows: usize, hidden: usize, vocab: usize, elem: usi
 ///
 /// The two-pass scheme is the low-memory choice, taken only when asked for: measured on the
 /// H100 (bf16, forward + backward, 8192 tokens, 2048 -> 128256) row chunks take 21.5 ms and
-/// +784 MiB, two passes 33.8 ms and +565 MiB (Liger-Kernel 37.1 ms, +596 MiB); at 4096 tokens
-/// 10.7 against 27.4 ms (blocks of 2048 classes there).
+/// +784 MiB, two passes 31.9 ms and +565 MiB (Liger-Kernel 34.3 ms, +596 MiB); at 4096 tokens
+/// 10.7 against 21.7 ms (docs/losses.md).
 ///
 /// `TORCHGRAFT_LCE_SCHEME` (read at each call) chooses: `rows` row chunks (of `chunk_size`, or
 /// automatic), `two-pass` the two-pass scheme with [`two_pass_sizes`], `R,Vb` the two-pass
