@@ -197,6 +197,35 @@ __device__ __forceinline__ long long head_of(const T* p, long long cols) {
   return head < cols ? head : cols;
 }
 
+// This thread's share of a row's statistics (block-strided over x[0..cols)): the running
+// maximum m, the sum s of exponentials relative to it and, with smoothing, the plain sum;
+// the unaligned head and the tail element by element, the body in 16-byte packs.
+template <typename T, typename A>
+__device__ __forceinline__ void row_partial_stats(const T* x, long long cols, A& m, A& s, A& sum,
+                                                  bool smoothing) {
+  constexpr int N = Pack<T>::N;
+  const long long head = head_of(x, cols);
+  const long long packs = (cols - head) / N;
+  const long long body_end = head + packs * N;
+  for (long long c = threadIdx.x; c < head; c += blockDim.x) {
+    const A v[1] = {to_acc(x[c])};
+    accumulate(v, m, s, sum, smoothing);
+  }
+  // Unrolled so that several 16-byte loads are in flight per thread.
+#pragma unroll 4
+  for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
+    const Pack<T> pk = graft_common::load_pack(x + head + k * N);
+    A v[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[e] = to_acc(pk.v[e]);
+    accumulate(v, m, s, sum, smoothing);
+  }
+  for (long long c = body_end + threadIdx.x; c < cols; c += blockDim.x) {
+    const A v[1] = {to_acc(x[c])};
+    accumulate(v, m, s, sum, smoothing);
+  }
+}
+
 template <typename T>
 __device__ void rows_kernel(const CeRowsParams& p) {
   using A = typename Acc<T>::type;
@@ -231,26 +260,7 @@ __device__ void rows_kernel(const CeRowsParams& p) {
 
     // Pass 1: maximum, sum of exponentials, sum of the row.
     A m = neg_inf(A(0)), s = A(0), sum = A(0);
-    const long long head = head_of(x, cols);
-    const long long packs = (cols - head) / N;
-    const long long body_end = head + packs * N;
-    for (long long c = threadIdx.x; c < head; c += blockDim.x) {
-      const A v[1] = {to_acc(x[c])};
-      accumulate(v, m, s, sum, smoothing);
-    }
-    // Unrolled so that several 16-byte loads are in flight per thread.
-#pragma unroll 4
-    for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
-      const Pack<T> pk = graft_common::load_pack(x + head + k * N);
-      A v[N];
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = to_acc(pk.v[e]);
-      accumulate(v, m, s, sum, smoothing);
-    }
-    for (long long c = body_end + threadIdx.x; c < cols; c += blockDim.x) {
-      const A v[1] = {to_acc(x[c])};
-      accumulate(v, m, s, sum, smoothing);
-    }
+    row_partial_stats(x, cols, m, s, sum, smoothing);
     block_reduce(m, s, sum);
     const A lse = m + log(s);
     if (threadIdx.x == 0) {
@@ -265,6 +275,9 @@ __device__ void rows_kernel(const CeRowsParams& p) {
     const A hit = on_target * scale;
     const bool same_phase = (((unsigned long long)g ^ (unsigned long long)x) & 15u) == 0;
     if (same_phase) {
+      const long long head = head_of(x, cols);
+      const long long packs = (cols - head) / N;
+      const long long body_end = head + packs * N;
       for (long long c = threadIdx.x; c < head; c += blockDim.x) {
         const A v = to_acc(x[c]);
         g[c] = from_acc<T>((fast_exp(v - lse) - per_class) * scale - (c == t ? hit : A(0)));
@@ -301,7 +314,6 @@ __device__ void rows_kernel(const CeRowsParams& p) {
 template <typename T>
 __device__ void block_stats_kernel(const CeBlockStatsParams& p) {
   using A = typename Acc<T>::type;
-  constexpr int N = Pack<T>::N;
   const T* logits = static_cast<const T*>(p.logits);
   A* run_max = static_cast<A*>(p.max);
   A* run_sum = static_cast<A*>(p.sum);
@@ -316,25 +328,7 @@ __device__ void block_stats_kernel(const CeBlockStatsParams& p) {
       continue;
     }
     A m = neg_inf(A(0)), s = A(0), unused = A(0);
-    const long long head = head_of(x, cols);
-    const long long packs = (cols - head) / N;
-    const long long body_end = head + packs * N;
-    for (long long c = threadIdx.x; c < head; c += blockDim.x) {
-      const A v[1] = {to_acc(x[c])};
-      accumulate(v, m, s, unused, false);
-    }
-#pragma unroll 4
-    for (long long k = threadIdx.x; k < packs; k += blockDim.x) {
-      const Pack<T> pk = graft_common::load_pack(x + head + k * N);
-      A v[N];
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = to_acc(pk.v[e]);
-      accumulate(v, m, s, unused, false);
-    }
-    for (long long c = body_end + threadIdx.x; c < cols; c += blockDim.x) {
-      const A v[1] = {to_acc(x[c])};
-      accumulate(v, m, s, unused, false);
-    }
+    row_partial_stats(x, cols, m, s, unused, false);
     block_reduce(m, s, unused);
     if (threadIdx.x == 0) {
       const long long local = t - p.first_col;
