@@ -821,6 +821,22 @@ where
     }
 }
 
+/// The rows of a vocabulary block (one per target), after checking that `b` has classes and
+/// the logits hold `rows x b.cols` values.
+fn check_block_shape(logits_len: usize, target: &[i64], b: &Block) -> usize {
+    let rows = target.len();
+    assert!(
+        b.cols >= 1,
+        "cross_entropy: a block needs at least one class"
+    );
+    assert_eq!(
+        logits_len,
+        rows * b.cols,
+        "cross_entropy: block logits length"
+    );
+    rows
+}
+
 /// Merges one block of logits (`target.len()` rows of `b.cols`) into each row's running
 /// maximum and sum of exponentials (online softmax), and records the target's logit when the
 /// target is in the block. Rows whose target is `b.ignore_index` are skipped (their loss is 0).
@@ -837,16 +853,7 @@ pub fn block_stats<T: Float>(
 ) where
     T::Acc: CeMath,
 {
-    let rows = target.len();
-    assert!(
-        b.cols >= 1,
-        "cross_entropy: a block needs at least one class"
-    );
-    assert_eq!(
-        logits.len(),
-        rows * b.cols,
-        "cross_entropy: block logits length"
-    );
+    let rows = check_block_shape(logits.len(), target, b);
     for (name, len) in [
         ("max", stats.max.len()),
         ("sum", stats.sum.len()),
@@ -966,16 +973,7 @@ pub fn block_grad<T: Float>(
 ) where
     T::Acc: CeMath,
 {
-    let rows = target.len();
-    assert!(
-        b.cols >= 1,
-        "cross_entropy: a block needs at least one class"
-    );
-    assert_eq!(
-        logits.len(),
-        rows * b.cols,
-        "cross_entropy: block logits length"
-    );
+    let rows = check_block_shape(logits.len(), target, b);
     assert_eq!(lse.len(), rows, "cross_entropy: block lse length");
     if let Some(r) = scale.rows {
         assert_eq!(r.len(), rows, "cross_entropy: per-row scale length");
