@@ -209,12 +209,12 @@ def linear_cross_entropy(
     in place, and multiplied into the gradients of ``hidden``, ``weight`` and ``bias`` right away
     (those that require grad). With ``TORCHGRAFT_LCE_SCHEME=two-pass`` in the environment,
     groups of rows run two passes over blocks of the vocabulary instead (statistics, then
-    gradients, each block's logits computed twice): one more matmul, buffers about the size of
-    ``hidden``; less memory than Liger-Kernel's, slower than row chunks (docs/losses.md has the
-    H100 figures). The weight gradient accumulates in the weight's dtype
-    (one rounding per chunk or group of rows, as Liger-Kernel's default). The loss is float32
-    (float64 for float64 inputs). Under autocast the matmul's operands are cast as ``F.linear``
-    casts them.
+    gradients, each block's logits computed twice): one more matmul, buffers within the logits
+    chunk Liger-Kernel would hold; less memory than Liger-Kernel's and faster, slower than row
+    chunks (docs/losses.md has the H100 figures). The weight gradient accumulates in the
+    weight's dtype (one rounding per chunk or group of rows, as Liger-Kernel's default). The
+    loss is float32 (float64 for float64 inputs). Under autocast the matmul's operands are cast
+    as ``F.linear`` casts them.
 
     Args:
         hidden: ``(..., H)`` hidden states; the leading dimensions are flattened into rows.

@@ -21,18 +21,20 @@
 //!    the block stats kernel merges each row's running maximum and sum of exponentials (f32,
 //!    online softmax) and records the target's logit; after the last block it writes
 //!    `lse = m + log s` and the loss `lse - z_t` (0 for ignored rows);
-//! 2. pass 2 (when a gradient is wanted), per block: the logits again; the block grad kernel
+//! 2. pass 2 (when a gradient is wanted), per block, the last first: the logits again (but for
+//!    the last block's, which pass 1 left in the buffer); the block grad kernel
 //!    writes `g = (exp(z - lse) - [j == t]) * factor` over them (`1 / count` for a mean, 1 for
 //!    a sum, the row's upstream gradient in `none`'s backward, 0 for ignored rows);
 //!    `d_hidden_acc += g @ W_blk` (an f32 `R x H` accumulator for bf16 / f16, rounded into
 //!    `d_hidden` once per group: on CUDA cuBLAS's 16-bit -> f32 product through aten::mm.dtype_out
-//!    added by the accumulate kernel, on the CPU the product in the dtype added in f32; f32 / f64
-//!    accumulate in `d_hidden` itself); `d_weight[blk] = g.T @ h_grp` for the first group
-//!    (written once), `+=` for the later ones; `d_bias` from the blocks' column sums.
+//!    into a buffer of half the group's rows, added by the accumulate kernel; on the CPU the
+//!    product in the dtype added in f32; f32 / f64 accumulate in `d_hidden` itself);
+//!    `d_weight[blk] = g.T @ h_grp` for the first group (written once), `+=` for the later
+//!    ones; `d_bias` from the blocks' column sums.
 //!
-//! One more `(N, V, H)` GEMM than the row chunks (the logits twice), and a buffer of about the
-//! hidden states' size instead of `C x V` logits; with one group (`R = N`, f32 / f64 at the usual
-//! shapes) no read-modify-write of `d_weight` at all.
+//! Almost one more `(N, V, H)` GEMM than the row chunks (the logits twice but for one block per
+//! group), and buffers within the logits chunk Liger-Kernel would hold instead of `C x V` logits;
+//! with one group (`R = N`) no read-modify-write of `d_weight` at all.
 //!
 //! The weight gradient accumulates in the weight's dtype, in place, as Liger-Kernel's does by
 //! default: no second `(V, H)` buffer (an f32 accumulator would cost `4 V H` bytes more, e.g.
@@ -81,13 +83,10 @@ pub(crate) fn auto_chunk(rows: usize, hidden: usize, vocab: usize) -> usize {
     pow2.max(MIN_CHUNK_ROWS).min(rows.max(1))
 }
 
-/// Fewest rows per group of the two-pass scheme (unless there are fewer rows): each group
-/// after the first adds into `d_weight` (a read-modify-write of `(V, H)`), as a row chunk does.
-const MIN_GROUP_ROWS: usize = 1024;
-
-/// Vocabulary blocks of the two-pass scheme are multiples of this many classes (whole GEMM
-/// tiles), unless the vocabulary is smaller.
-const BLOCK_QUANTUM: usize = 128;
+/// Classes per vocabulary block of the two-pass scheme (fewer when the vocabulary is smaller):
+/// the fastest measured at 8192 tokens, 2048 -> 128256 on the H100 (blocks of 4096 or 6144
+/// classes mean more, smaller GEMMs and more launches: 31-34 ms against 30.5).
+const BLOCK_COLS: usize = 8192;
 
 /// Sizes of the two-pass, vocabulary-blocked scheme: groups of `group_rows` rows, blocks of
 /// `block_cols` classes.
@@ -95,6 +94,9 @@ const BLOCK_QUANTUM: usize = 128;
 pub(crate) struct TwoPass {
     pub group_rows: usize,
     pub block_cols: usize,
+    /// Rows per partial product `g @ W_blk` added into a 16-bit `d_hidden`'s f32 accumulator
+    /// (the group's rows in slices of this many: the partial product's buffer holds one).
+    pub product_rows: usize,
 }
 
 /// How the op runs.
@@ -106,58 +108,63 @@ pub(crate) enum Scheme {
     TwoPass(TwoPass),
 }
 
-/// Bytes per row of a group that the two-pass scheme holds besides the logits block: for a
-/// 16-bit dtype the f32 accumulator of `d_hidden` (`4 H`) and the f32 partial product added
-/// into it (`4 H`; on the CPU it is in the dtype, `2 H`, counted as 4 all the same); nothing for
-/// f32 / f64, which accumulate in `d_hidden` itself.
-fn group_row_bytes(hidden: usize, elem: usize) -> usize {
+/// Bytes of the logits buffer Liger-Kernel's fused linear cross-entropy allocates for the same
+/// problem: chunks of `next_power_of_two(ceil(N / ceil(V / H)))` rows of `V` logits. The
+/// two-pass scheme keeps its buffers within it, so that its peak (`d_weight`, `d_hidden` and
+/// those buffers, as Liger's) is never above Liger-Kernel's: issue 13's memory bound.
+fn liger_chunk_bytes(rows: usize, hidden: usize, vocab: usize, elem: usize) -> u128 {
+    let ratio = vocab.div_ceil(hidden.max(1)).max(1);
+    let chunk = rows
+        .div_ceil(ratio)
+        .max(1)
+        .next_power_of_two()
+        .min(rows.max(1));
+    chunk as u128 * vocab as u128 * elem as u128
+}
+
+/// Bytes the two-pass scheme's buffers take with groups of `r` rows and blocks of `vb` classes:
+/// the logits block, and for a 16-bit dtype the f32 accumulator of `d_hidden` (`4 H` a row) and
+/// the f32 partial product added into it, half the group's rows at a time (on the CPU it is in
+/// the dtype, counted as f32 all the same; f32 / f64 accumulate in `d_hidden` itself).
+fn two_pass_bytes(r: usize, vb: usize, hidden: usize, elem: usize) -> u128 {
+    let (r, h) = (r as u128, hidden as u128);
+    let logits = r * vb as u128 * elem as u128;
     if elem == 2 {
-        2 * 4 * hidden
+        logits + 4 * h * r + 4 * h * r.div_ceil(2)
     } else {
-        0
+        logits
     }
 }
 
-/// The two-pass scheme's sizes for `rows x hidden -> vocab` in elements of `elem` bytes: its
-/// buffers (logits block `R x Vb` + [`group_row_bytes`] per row) within one hidden-sized tensor
-/// (`N H` elements: Liger-Kernel's budget for its chunk, and the row chunks' here).
+/// The two-pass scheme's sizes for `rows x hidden -> vocab` in elements of `elem` bytes.
 ///
-/// `Vb` starts at `H` (rounded up to a multiple of [`BLOCK_QUANTUM`], at most `V`); `R` is
-/// every row if they fit, else the largest power of two that fits, at least
-/// [`MIN_GROUP_ROWS`]; then `Vb` grows (multiples of [`BLOCK_QUANTUM`], at most `V`) to fill
-/// what `R` leaves of the budget: fewer, larger blocks.
+/// Blocks of [`BLOCK_COLS`] classes (at most `V`); groups of every row if the buffers
+/// ([`two_pass_bytes`]) fit within [`liger_chunk_bytes`] less the scheme's five f32 per-row
+/// vectors, else of the largest power of two of rows that fits (at least 1); partial products
+/// of half a group's rows.
 ///
-/// Llama 3.2 1B's head at 8192 tokens (2048 -> 128256), bf16: budget 8192 x 2048 x 2 = 32 MiB;
-/// Vb = 2048 gives 2048 x 2 + 2048 x 8 = 20 KiB per row, 1638 rows: R = 1024; then
-/// Vb = (32 KiB - 16 KiB) / 2 = 8192. Buffers: logits 1024 x 8192 x 2 = 16 MiB, accumulator
-/// 1024 x 2048 x 4 = 8 MiB, partial product 8 MiB: 32 MiB. With d_weight (128256 x 2048 x 2 =
-/// 501 MiB) and d_hidden (32 MiB) the op's peak is 565 MiB plus the per-row vectors (5 x 8192
-/// x 4 bytes), against Liger's 596 MiB and the row chunks' 784 MiB. In f32 the same budget
-/// holds every row (R = N = 8192, Vb = 2048: logits 64 MiB = hidden): no read-modify-write of
-/// d_weight at all.
+/// Llama 3.2 1B's head at 8192 tokens (2048 -> 128256), bf16: Liger-Kernel's chunk is 256 rows
+/// (62.6 MiB); 2048-row groups take 32 MiB of logits, 16 MiB of accumulator and 8 MiB of
+/// partial product, 56 MiB. Peak: 501 MiB (d_weight) + 32 (d_hidden) + 56 = 589 MiB, against
+/// Liger's 596 (and 784 for the row chunks); 30.5 ms against Liger's 34.5 on the H100.
 pub(crate) fn two_pass_sizes(rows: usize, hidden: usize, vocab: usize, elem: usize) -> TwoPass {
     let (n, v) = (rows.max(1), vocab.max(1));
-    let budget = n as u128 * hidden.max(1) as u128 * elem as u128;
-    let fixed = group_row_bytes(hidden, elem) as u128;
-    let quantum = BLOCK_QUANTUM.min(v);
-    let vb0 = hidden.max(1).next_multiple_of(quantum).min(v);
-    let fit = budget / (vb0 as u128 * elem as u128 + fixed);
-    let group_rows = if fit >= n as u128 {
+    let block_cols = BLOCK_COLS.min(v);
+    let budget = liger_chunk_bytes(n, hidden, v, elem).saturating_sub(5 * 4 * n as u128);
+    let fits = |r: usize| two_pass_bytes(r, block_cols, hidden, elem) <= budget;
+    let group_rows = if fits(n) {
         n
     } else {
-        let pow2 = if fit == 0 {
-            1
-        } else {
-            1u128 << (127 - fit.leading_zeros())
-        };
-        (pow2 as usize).max(MIN_GROUP_ROWS).min(n)
+        let mut r = 1usize << n.ilog2();
+        while r > 1 && !fits(r) {
+            r /= 2;
+        }
+        r
     };
-    let per_row = budget / group_rows as u128;
-    let cols = per_row.saturating_sub(fixed) / elem as u128;
-    let block_cols = ((cols as usize) / quantum * quantum).clamp(vb0, v);
     TwoPass {
         group_rows,
         block_cols,
+        product_rows: group_rows.div_ceil(2),
     }
 }
 
@@ -194,20 +201,33 @@ pub(crate) fn choose_scheme(
         Some("rows") => return rows_scheme(),
         Some("two-pass") => return Scheme::TwoPass(two_pass_sizes(rows, hidden, vocab, elem)),
         Some(v) => {
-            if let Some((r, b)) = v.split_once(',') {
-                if let (Ok(r), Ok(b)) = (r.trim().parse::<usize>(), b.trim().parse::<usize>()) {
-                    if r > 0 && b > 0 {
-                        return Scheme::TwoPass(TwoPass {
-                            group_rows: r.min(rows.max(1)),
-                            block_cols: b.min(vocab.max(1)),
-                        });
-                    }
-                }
+            if let Some(sizes) = parse_two_pass(v, rows, vocab) {
+                return Scheme::TwoPass(sizes);
             }
         }
         None => {}
     }
     rows_scheme()
+}
+
+/// `R,Vb` or `R,Vb,P` (all positive): groups of `R` rows, blocks of `Vb` classes, partial
+/// products of `P` rows (`R` when not given), each at most what the problem has.
+fn parse_two_pass(spec: &str, rows: usize, vocab: usize) -> Option<TwoPass> {
+    let sizes: Vec<usize> = spec
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().ok().filter(|&x| x > 0))
+        .collect::<Option<_>>()?;
+    let (r, b, p) = match sizes[..] {
+        [r, b] => (r, b, r),
+        [r, b, p] => (r, b, p),
+        _ => return None,
+    };
+    let group_rows = r.min(rows.max(1));
+    Some(TwoPass {
+        group_rows,
+        block_cols: b.min(vocab.max(1)),
+        product_rows: p.min(group_rows),
+    })
 }
 
 /// Which gradients to compute: hidden, weight, bias.
@@ -468,11 +488,12 @@ trait ChunkStep {
     /// The dtype of the partial products `g @ W_blk` added into the f32 accumulator of a
     /// 16-bit `d_hidden`.
     fn product_dtype(&self, dtype: DType) -> DType;
-    /// `acc = g @ w` (`first`) or `acc += g @ w` over the first `g.rows x w.cols` elements of
-    /// `acc` (f32), through those of `tmp` (`product_dtype`).
+    /// `acc = g @ w` (`first`) or `acc += g @ w` over the `g.rows x w.cols` elements of `acc`
+    /// (f32) from element `at`, through the first ones of `tmp` (`product_dtype`).
     fn add_product(
         &mut self,
         acc: &mut NewTensor,
+        at: usize,
         tmp: &mut NewTensor,
         g: &Tensor,
         w: &Tensor,
@@ -532,6 +553,7 @@ impl ChunkStep for CpuStep {
     fn add_product(
         &mut self,
         acc: &mut NewTensor,
+        at: usize,
         tmp: &mut NewTensor,
         g: &Tensor,
         w: &Tensor,
@@ -540,7 +562,7 @@ impl ChunkStep for CpuStep {
         let (rows, cols) = product_shape(g, w)?;
         mm_out(g, w, &view_2d(tmp.tensor(), rows, cols)?)?;
         let n = rows * cols;
-        let acc = &mut acc.as_mut_slice::<f32>()?[..n];
+        let acc = &mut acc.as_mut_slice::<f32>()?[at..at + n];
         match tmp.tensor().dtype()? {
             DType::BF16 => add_widened(acc, &tmp.as_mut_slice::<bf16>()?[..n], first),
             _ => add_widened(acc, &tmp.as_mut_slice::<f16>()?[..n], first),
@@ -748,6 +770,7 @@ impl ChunkStep for CudaStep {
     fn add_product(
         &mut self,
         acc: &mut NewTensor,
+        at: usize,
         tmp: &mut NewTensor,
         g: &Tensor,
         w: &Tensor,
@@ -755,13 +778,14 @@ impl ChunkStep for CudaStep {
     ) -> Result<()> {
         let (rows, cols) = product_shape(g, w)?;
         if first {
-            return mm_dtype_out(g, w, DType::F32, &view_2d(acc.tensor(), rows, cols)?);
+            let acc_rows = slice_rows(acc.tensor(), at, at + rows * cols)?;
+            return mm_dtype_out(g, w, DType::F32, &view_2d(&acc_rows, rows, cols)?);
         }
         mm_dtype_out(g, w, DType::F32, &view_2d(tmp.tensor(), rows, cols)?)?;
         graft_cuda::accumulate_f32(&graft_cuda::AccumulateF32 {
             device: self.call.device.index,
             stream: self.call.stream,
-            acc: ptr(acc.tensor())?,
+            acc: ptr(acc.tensor())? + (at * 4) as u64,
             src: ptr(tmp.tensor())?,
             n: rows * cols,
         })
@@ -916,12 +940,16 @@ fn run_two_pass(
     // 16-bit d_hidden: an f32 accumulator of the group (and the partial product added into
     // it); f32 / f64 accumulate in d_hidden's rows.
     let sixteen = dtype.size().unwrap_or(4) == 2;
+    let p_rows = sizes.product_rows.clamp(1, r_max);
     let (mut hacc, mut htmp) = if want.hidden && sixteen {
         // Flat: the group's rows are the first `len * h` elements (view_2d).
-        let shape = [(r_max * h) as i64];
         (
-            Some(NewTensor::empty(&shape, DType::F32, device)?),
-            Some(NewTensor::empty(&shape, step.product_dtype(dtype), device)?),
+            Some(NewTensor::empty(&[(r_max * h) as i64], DType::F32, device)?),
+            Some(NewTensor::empty(
+                &[(p_rows * h) as i64],
+                step.product_dtype(dtype),
+                device,
+            )?),
         )
     } else {
         (None, None)
@@ -971,8 +999,11 @@ fn run_two_pass(
         } else {
             None
         };
-        for (k, &(c0, cols)) in blocks.iter().enumerate() {
-            logits_of(&buf, c0, cols)?;
+        // Last block first: pass 1 left its logits in `buf` (the stats kernel only reads them).
+        for (k, &(c0, cols)) in blocks.iter().rev().enumerate() {
+            if k > 0 {
+                logits_of(&buf, c0, cols)?;
+            }
             let b = BlockStep {
                 buf: &mut buf,
                 stats: &mut stats,
@@ -990,7 +1021,10 @@ fn run_two_pass(
             let w_blk = slice_rows(&p.weight, c0, c0 + cols)?;
             match (hacc.as_mut(), htmp.as_mut(), dh_grp.as_ref()) {
                 (Some(hacc), Some(htmp), _) => {
-                    step.add_product(hacc, htmp, &g, &w_blk, k == 0)?;
+                    for s in (0..len).step_by(p_rows) {
+                        let g_rows = slice_rows(&g, s, (s + p_rows).min(len))?;
+                        step.add_product(hacc, s * h, htmp, &g_rows, &w_blk, k == 0)?;
+                    }
                 }
                 (_, _, Some(dh)) if k == 0 => mm_out(&g, &w_blk, dh)?,
                 (_, _, Some(dh)) => aten::addmm_out(dh, dh, &g, &w_blk, 1.0, 1.0)?,
@@ -1223,34 +1257,89 @@ impl<const CUDA: bool> Kernel for LinearCrossEntropyBackwardKernel<CUDA> {
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_chunk, choose_scheme, two_pass_sizes, Scheme, TwoPass};
+    use super::{
+        auto_chunk, choose_scheme, liger_chunk_bytes, parse_two_pass, two_pass_bytes,
+        two_pass_sizes, Scheme, TwoPass,
+    };
 
-    fn sizes(group_rows: usize, block_cols: usize) -> TwoPass {
+    fn sizes(group_rows: usize, block_cols: usize, product_rows: usize) -> TwoPass {
         TwoPass {
             group_rows,
             block_cols,
+            product_rows,
         }
     }
 
     #[test]
-    fn two_pass_buffers_hold_about_the_hidden_states() {
-        // Llama 3.2 1B's head at 8192 tokens, bf16: 1024 rows (the f32 accumulator and partial
-        // product take 16 KiB a row), blocks of 8192 classes; 32 MiB = 8192 x 2048 x 2.
-        let s = two_pass_sizes(8192, 2048, 128_256, 2);
-        assert_eq!(s, sizes(1024, 8192));
-        let bytes = s.group_rows * (s.block_cols * 2 + 2 * 4 * 2048);
-        assert!(bytes <= 8192 * 2048 * 2);
-        // f32: every row in one group (no d_weight read-modify-write), blocks of H classes.
-        assert_eq!(two_pass_sizes(8192, 2048, 128_256, 4), sizes(8192, 2048));
-        assert_eq!(two_pass_sizes(8192, 2048, 128_256, 8), sizes(8192, 2048));
-        // Few rows: all of them; blocks never wider than the vocabulary.
-        assert_eq!(two_pass_sizes(37, 24, 50, 2), sizes(37, 50));
-        assert_eq!(two_pass_sizes(6, 4, 7, 8), sizes(6, 7));
-        // Odd sizes: blocks are whole multiples of 128 classes.
-        let s = two_pass_sizes(100_000, 1000, 50_000, 2);
-        assert_eq!(s.group_rows, 16_384);
-        assert!(s.block_cols.is_multiple_of(128) && s.block_cols >= 1024);
-        assert!(s.group_rows * (s.block_cols * 2 + 8 * 1000) <= 100_000 * 1000 * 2);
+    fn two_pass_buffers_stay_within_ligers_chunk() {
+        // Llama 3.2 1B's head, bf16: at 8192 tokens Liger's chunk is 256 rows of 128256
+        // logits (62.6 MiB); 2048-row groups take 32 + 16 + 8 = 56 MiB.
+        assert_eq!(liger_chunk_bytes(8192, 2048, 128_256, 2), 256 * 128_256 * 2);
+        assert_eq!(
+            two_pass_sizes(8192, 2048, 128_256, 2),
+            sizes(2048, 8192, 1024)
+        );
+        assert_eq!(two_pass_bytes(2048, 8192, 2048, 2), 56 << 20);
+        // At 4096 tokens Liger's chunk is 128 rows (31.3 MiB): 1024-row groups, 28 MiB.
+        assert_eq!(
+            two_pass_sizes(4096, 2048, 128_256, 2),
+            sizes(1024, 8192, 512)
+        );
+        // f32 needs no accumulator: 2048 rows of 8192 logits (64 MiB of Liger's 125).
+        assert_eq!(
+            two_pass_sizes(8192, 2048, 128_256, 4),
+            sizes(2048, 8192, 1024)
+        );
+        // Few rows, a small vocabulary: blocks never wider than it.
+        assert_eq!(two_pass_sizes(6, 4, 7, 8).block_cols, 7);
+        // Every shape: one group of every row or a power of two of them, within the budget
+        // unless a single row exceeds it.
+        for &(n, h, v, e) in &[
+            (8192, 4096, 128_256, 2),
+            (100_000, 1000, 50_000, 2),
+            (6000, 768, 50_257, 2),
+            (37, 24, 50, 2),
+            (1, 2048, 128_256, 2),
+            (65_536, 4096, 32_000, 4),
+        ] {
+            let s = two_pass_sizes(n, h, v, e);
+            assert!(s.group_rows == n || s.group_rows.is_power_of_two(), "{s:?}");
+            assert_eq!(s.block_cols, v.min(8192));
+            assert_eq!(s.product_rows, s.group_rows.div_ceil(2));
+            let budget = liger_chunk_bytes(n, h, v, e) - 5 * 4 * n as u128;
+            assert!(
+                s.group_rows == 1 || two_pass_bytes(s.group_rows, s.block_cols, h, e) <= budget,
+                "{n} {h} {v} {e}: {s:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn two_pass_sizes_parse() {
+        assert_eq!(
+            parse_two_pass("2048,8192", 8192, 128_256),
+            Some(sizes(2048, 8192, 2048))
+        );
+        assert_eq!(
+            parse_two_pass(" 2048 , 8192 , 512 ", 8192, 128_256),
+            Some(sizes(2048, 8192, 512))
+        );
+        // At most what the problem has.
+        assert_eq!(
+            parse_two_pass("4096,8192,4096", 100, 50),
+            Some(sizes(100, 50, 100))
+        );
+        for bad in [
+            "",
+            "2048",
+            "0,8192",
+            "2048,8192,0",
+            "a,b",
+            "1,2,3,4",
+            "-1,5",
+        ] {
+            assert_eq!(parse_two_pass(bad, 8192, 128_256), None, "{bad:?}");
+        }
     }
 
     #[test]
