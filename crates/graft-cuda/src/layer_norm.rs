@@ -121,8 +121,13 @@ struct FinalizeParams {
 pub const BWD_MAX_BLOCKS_PER_SM: u32 = 2;
 /// Block size of the loop kernels (`kLoopThreads`).
 const LOOP_THREADS: u32 = 512;
-/// Threads per block the forward rows kernels aim for, and the backward's.
-const FWD_TARGET_BLOCK: u32 = 256;
+/// Threads per block the forward rows kernels aim for: one row per block from 64 threads a row
+/// (a row's two reductions then wait for no other row's): H100, bf16, 128 M elements, time
+/// against a copy with 1 / 2 / 4 rows per block: hidden 2048 1.045x / 1.055x / 1.083x, 4096
+/// 1.060x / 1.108x / 1.189x; hidden 1024 (32 threads a row) 1.022x / 1.025x / 1.061x
+/// (bench/kernel_lab/layer_norm_fwd_sweep.py; 256 threads, 1.088x-1.108x, before).
+const FWD_TARGET_BLOCK: u32 = 64;
+/// Threads per block the backward rows kernels aim for.
 const BWD_TARGET_BLOCK: u32 = 512;
 /// Shared memory the backward rows kernels may use to add their row groups.
 const BWD_ROWS_SMEM_LIMIT: u64 = 48 * 1024;
@@ -546,6 +551,23 @@ mod tests {
                 );
                 assert!(pl.block <= attrs(pl.body).max_threads);
             }
+        }
+        // Forward: one row per block from 64 threads a row (hidden 2048 in bf16, V = 4), two
+        // warps' worth of rows below.
+        for (cols, rpb) in [
+            (8192, 1),
+            (4096, 1),
+            (2048, 1),
+            (1024, 2),
+            (512, 4),
+            (64, 32),
+        ] {
+            let pl = plan(&problem(false, 2, 8192, cols), &lim, &attrs);
+            assert_eq!(
+                (pl.rpb, pl.block),
+                (rpb, 64.max(pl.tpr)),
+                "cols {cols}: {pl:?}"
+            );
         }
         // Beyond the registers: the loop kernels.
         let pl = plan(&problem(true, 2, 10, 20000), &lim, &attrs);
