@@ -146,7 +146,7 @@ fn two_pass_bytes(r: usize, vb: usize, hidden: usize, elem: usize) -> u128 {
 /// Llama 3.2 1B's head at 8192 tokens (2048 -> 128256), bf16: Liger-Kernel's chunk is 256 rows
 /// (62.6 MiB); 2048-row groups take 32 MiB of logits, 16 MiB of accumulator and 8 MiB of
 /// partial product, 56 MiB. Peak: 501 MiB (d_weight) + 32 (d_hidden) + 56 = 589 MiB, against
-/// Liger's 596 (and 784 for the row chunks); 30.5 ms against Liger's 34.5 on the H100.
+/// Liger's 596 (and 784 for the row chunks); 29.6-30.6 ms against Liger's 34.4-35.2 on the H100.
 pub(crate) fn two_pass_sizes(rows: usize, hidden: usize, vocab: usize, elem: usize) -> TwoPass {
     let (n, v) = (rows.max(1), vocab.max(1));
     let block_cols = BLOCK_COLS.min(v);
