@@ -351,6 +351,10 @@ mod tests {
         assert!(e <= 1.0, "normal_cdf_short: {e} of the bound at {at}");
         let (e, at) = worst_relative(s, &specials, cdf, phi, cdf_bound);
         assert!(e <= 1.0, "normal_cdf_short: {e} of the bound at {at}");
+        // The left tail where `0.5 (1 + erf(x / sqrt 2))` cancels: relative, in units of 2^-24.
+        let (e, at) = worst_relative(s, &grid(-10.0, -3.0, 200_000), cdf, phi, |_| 2f64.powi(-24));
+        eprintln!("normal_cdf_short on [-10, -3]: {e:.0} x 2^-24 relative at {at}");
+        assert!(e <= 280.0, "normal_cdf_short: {e} x 2^-24 at {at}");
         let g = |x: f64| (-0.5 * x * x).exp();
         let g_bound = |x: f64| 3.2e-6 + 1e-7 * x * x;
         let (e, at) = worst_relative(s, &xs, |s, v| normal_cdf_short(s, v).1, g, g_bound);
