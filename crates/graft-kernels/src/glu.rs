@@ -111,28 +111,45 @@ fn eval<A: GluMath>(act: Activation, x: A) -> (A, A) {
 
 /// `(act(x), act'(x))` lane-wise, for vectors of `Self` with the token `S`.
 pub(crate) trait ActLanes<S: Simd<Self>>: Acc {
-    /// The activation and its derivative at every lane of `x`. `SHORT`: the results will be
-    /// rounded to a 16-bit type (bf16, f16), so cheaper math whose error is far below that
-    /// rounding may serve ([`short_math`]).
-    fn act<const SHORT: bool>(s: S, act: Activation, x: S::V) -> (S::V, S::V);
+    /// The activation and its derivative at every lane of `x`, as accurate as [`math`]`::MATH`
+    /// asks (see [`math_for`]).
+    fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V);
 }
 
-/// Whether `T`'s kernels may use [`ActLanes::act`]'s `SHORT` math: elements narrower than the
-/// accumulation type (bf16 and f16, computed in `f32`). Their outputs keep within about 1 ulp of
-/// the 16-bit type (tests/glu.rs measures them against float64); `f32` and `f64` keep the full
-/// math.
+/// How accurate [`ActLanes::act`]'s `f32` activations must be, by the type they are rounded to.
+pub(crate) mod math {
+    /// `f32` outputs: [`crate::vmath`]'s full-accuracy functions (and `f64`, which always has
+    /// libm's).
+    pub(crate) const FULL: u8 = 0;
+    /// f16 outputs (11 significant bits): the `_short` functions, within about 1e-5 relative.
+    pub(crate) const F16: u8 = 1;
+    /// bf16 outputs (8 significant bits): as [`F16`], with a shorter normal-CDF tail (8e-5).
+    pub(crate) const BF16: u8 = 2;
+}
+
+/// The [`math`] for `T`'s outputs: shorter math for elements narrower than the accumulation type
+/// (bf16 and f16, computed in `f32`), whose outputs keep within about 1 ulp of the 16-bit type
+/// (tests/glu.rs measures them against float64 over every 16-bit gate value); `f32` and `f64`
+/// keep the full math.
 #[inline(always)]
-pub(crate) const fn short_math<T: Float>() -> bool {
-    std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>()
+pub(crate) fn math_for<T: Float>() -> u8 {
+    use std::any::TypeId;
+    if std::mem::size_of::<T>() >= std::mem::size_of::<T::Acc>() {
+        math::FULL
+    } else if TypeId::of::<T>() == TypeId::of::<half::bf16>() {
+        math::BF16
+    } else {
+        math::F16
+    }
 }
 
 impl<S: SimdF32> ActLanes<S> for f32 {
     #[inline(always)]
-    fn act<const SHORT: bool>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
+    fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
         let one = s.splat(1.0);
         match act {
             Activation::Silu => {
-                let sg = vmath::sigmoid::<S, SHORT>(s, x);
+                let sg = vmath::sigmoid(s, x, MATH != math::FULL);
                 let df = s.mul(sg, s.mul_add(x, s.sub(one, sg), one));
                 (s.mul(x, sg), df)
             }
@@ -140,7 +157,7 @@ impl<S: SimdF32> ActLanes<S> for f32 {
                 let x2 = s.mul(x, x);
                 let k1x2 = s.mul(s.splat(TANH_K1 as f32), x2);
                 let u = s.mul(s.splat((2.0 * TANH_K0) as f32), s.mul_add(k1x2, x, x));
-                let sg = vmath::sigmoid::<S, SHORT>(s, u);
+                let sg = vmath::sigmoid(s, u, MATH != math::FULL);
                 // d/dx sigmoid(u) = sigmoid (1 - sigmoid) 2 k0 (1 + 3 k1 x^2)
                 let du = s.mul(
                     s.splat((2.0 * TANH_K0) as f32),
@@ -150,10 +167,9 @@ impl<S: SimdF32> ActLanes<S> for f32 {
                 (s.mul(x, sg), s.mul_add(x, ds, sg))
             }
             Activation::GeluErf => {
-                let (cdf, g) = if SHORT {
-                    vmath::normal_cdf_short(s, x)
-                } else {
-                    vmath::normal_cdf(s, x)
+                let (cdf, g) = match MATH {
+                    math::FULL => vmath::normal_cdf(s, x),
+                    m => vmath::normal_cdf_short(s, x, m == math::BF16),
                 };
                 let pdf = s.mul(s.splat(INV_SQRT_2PI as f32), g);
                 (s.mul(x, cdf), s.mul_add(x, pdf, cdf))
@@ -168,7 +184,7 @@ where
 {
     /// Lane by lane with libm: exact to libm's accuracy, as the `f64` reference needs.
     #[inline(always)]
-    fn act<const SHORT: bool>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
+    fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
         let mut lanes = [0.0f64; MAX_LANES];
         f64::store(s, x, &mut lanes[..S::LANES]);
         let mut f = [0.0f64; MAX_LANES];
@@ -353,29 +369,29 @@ where
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
-    if short_math::<T>() {
-        forward_act::<S, T, true>(s, act, gate, up, y)
-    } else {
-        forward_act::<S, T, false>(s, act, gate, up, y)
+    match math_for::<T>() {
+        math::BF16 => forward_act::<S, T, { math::BF16 }>(s, act, gate, up, y),
+        math::F16 => forward_act::<S, T, { math::F16 }>(s, act, gate, up, y),
+        _ => forward_act::<S, T, { math::FULL }>(s, act, gate, up, y),
     }
 }
 
 #[inline(always)]
-fn forward_act<S, T, const SHORT: bool>(s: S, act: Activation, gate: &[T], up: &[T], y: &mut [T])
+fn forward_act<S, T, const MATH: u8>(s: S, act: Activation, gate: &[T], up: &[T], y: &mut [T])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
     match act {
-        Activation::Silu => forward_with::<S, T, SiluKind, SHORT>(s, gate, up, y),
-        Activation::GeluTanh => forward_with::<S, T, GeluTanhKind, SHORT>(s, gate, up, y),
-        Activation::GeluErf => forward_with::<S, T, GeluErfKind, SHORT>(s, gate, up, y),
+        Activation::Silu => forward_with::<S, T, SiluKind, MATH>(s, gate, up, y),
+        Activation::GeluTanh => forward_with::<S, T, GeluTanhKind, MATH>(s, gate, up, y),
+        Activation::GeluErf => forward_with::<S, T, GeluErfKind, MATH>(s, gate, up, y),
     }
 }
 
 #[inline(always)]
-fn forward_with<S, T, K, const SHORT: bool>(s: S, gate: &[T], up: &[T], y: &mut [T])
+fn forward_with<S, T, K, const MATH: u8>(s: S, gate: &[T], up: &[T], y: &mut [T])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -391,7 +407,7 @@ where
         let mut out = [s.splat(T::Acc::ZERO); UNROLL];
         for (j, out) in out.iter_mut().enumerate() {
             let at = j * lanes..(j + 1) * lanes;
-            let (f, _) = T::Acc::act::<SHORT>(s, K::ACT, T::load(s, &gate[at.clone()]));
+            let (f, _) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &gate[at.clone()]));
             *out = s.mul(f, T::load(s, &up[at]));
         }
         for (y, v) in y.chunks_exact_mut(lanes).zip(out) {
@@ -401,7 +417,7 @@ where
     let (gate, up) = (&gate[split..], &up[split..]);
     for (k, y) in rest.chunks_mut(lanes).enumerate() {
         let (at, n) = (k * lanes, y.len());
-        let (f, _) = T::Acc::act::<SHORT>(s, K::ACT, load_n(s, &gate[at..], n));
+        let (f, _) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, &gate[at..], n));
         store_n(s, s.mul(f, load_n(s, &up[at..], n)), y);
     }
 }
@@ -421,15 +437,15 @@ pub(crate) fn backward_lanes<S, T>(
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
-    if short_math::<T>() {
-        backward_act::<S, T, true>(s, act, gate, up, dy, dgate, dup)
-    } else {
-        backward_act::<S, T, false>(s, act, gate, up, dy, dgate, dup)
+    match math_for::<T>() {
+        math::BF16 => backward_act::<S, T, { math::BF16 }>(s, act, gate, up, dy, dgate, dup),
+        math::F16 => backward_act::<S, T, { math::F16 }>(s, act, gate, up, dy, dgate, dup),
+        _ => backward_act::<S, T, { math::FULL }>(s, act, gate, up, dy, dgate, dup),
     }
 }
 
 #[inline(always)]
-fn backward_act<S, T, const SHORT: bool>(
+fn backward_act<S, T, const MATH: u8>(
     s: S,
     act: Activation,
     gate: &[T],
@@ -443,18 +459,18 @@ fn backward_act<S, T, const SHORT: bool>(
     T::Acc: ActLanes<S>,
 {
     match act {
-        Activation::Silu => backward_with::<S, T, SiluKind, SHORT>(s, gate, up, dy, dgate, dup),
+        Activation::Silu => backward_with::<S, T, SiluKind, MATH>(s, gate, up, dy, dgate, dup),
         Activation::GeluTanh => {
-            backward_with::<S, T, GeluTanhKind, SHORT>(s, gate, up, dy, dgate, dup)
+            backward_with::<S, T, GeluTanhKind, MATH>(s, gate, up, dy, dgate, dup)
         }
         Activation::GeluErf => {
-            backward_with::<S, T, GeluErfKind, SHORT>(s, gate, up, dy, dgate, dup)
+            backward_with::<S, T, GeluErfKind, MATH>(s, gate, up, dy, dgate, dup)
         }
     }
 }
 
 #[inline(always)]
-fn backward_with<S, T, K, const SHORT: bool>(
+fn backward_with<S, T, K, const MATH: u8>(
     s: S,
     gate: &[T],
     up: &[T],
@@ -482,7 +498,7 @@ fn backward_with<S, T, K, const SHORT: bool>(
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
         for j in 0..UNROLL {
             let at = j * lanes..(j + 1) * lanes;
-            let (f, df) = T::Acc::act::<SHORT>(s, K::ACT, T::load(s, &gate[at.clone()]));
+            let (f, df) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &gate[at.clone()]));
             let d = T::load(s, &dy[at.clone()]);
             dg_v[j] = s.mul(s.mul(d, T::load(s, &up[at])), df);
             du_v[j] = s.mul(d, f);
@@ -497,7 +513,7 @@ fn backward_with<S, T, K, const SHORT: bool>(
     let rests = dg_rest.chunks_mut(lanes).zip(du_rest.chunks_mut(lanes));
     for (k, (dg, du)) in rests.enumerate() {
         let (at, n) = (k * lanes, dg.len());
-        let (f, df) = T::Acc::act::<SHORT>(s, K::ACT, load_n(s, &gate[at..], n));
+        let (f, df) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, &gate[at..], n));
         let d = load_n(s, &dy[at..], n);
         store_n(s, s.mul(s.mul(d, load_n(s, &up[at..], n)), df), dg);
         store_n(s, s.mul(d, f), du);
@@ -517,15 +533,15 @@ pub(crate) fn backward_in_place_lanes<S, T>(
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
-    if short_math::<T>() {
-        backward_in_place_act::<S, T, true>(s, act, gate, up, dy)
-    } else {
-        backward_in_place_act::<S, T, false>(s, act, gate, up, dy)
+    match math_for::<T>() {
+        math::BF16 => backward_in_place_act::<S, T, { math::BF16 }>(s, act, gate, up, dy),
+        math::F16 => backward_in_place_act::<S, T, { math::F16 }>(s, act, gate, up, dy),
+        _ => backward_in_place_act::<S, T, { math::FULL }>(s, act, gate, up, dy),
     }
 }
 
 #[inline(always)]
-fn backward_in_place_act<S, T, const SHORT: bool>(
+fn backward_in_place_act<S, T, const MATH: u8>(
     s: S,
     act: Activation,
     gate: &mut [T],
@@ -537,18 +553,16 @@ fn backward_in_place_act<S, T, const SHORT: bool>(
     T::Acc: ActLanes<S>,
 {
     match act {
-        Activation::Silu => backward_in_place_with::<S, T, SiluKind, SHORT>(s, gate, up, dy),
-        Activation::GeluTanh => {
-            backward_in_place_with::<S, T, GeluTanhKind, SHORT>(s, gate, up, dy)
-        }
-        Activation::GeluErf => backward_in_place_with::<S, T, GeluErfKind, SHORT>(s, gate, up, dy),
+        Activation::Silu => backward_in_place_with::<S, T, SiluKind, MATH>(s, gate, up, dy),
+        Activation::GeluTanh => backward_in_place_with::<S, T, GeluTanhKind, MATH>(s, gate, up, dy),
+        Activation::GeluErf => backward_in_place_with::<S, T, GeluErfKind, MATH>(s, gate, up, dy),
     }
 }
 
 /// [`backward_with`] with the outputs over the inputs: each block of `UNROLL` vectors is read
 /// whole before it is written.
 #[inline(always)]
-fn backward_in_place_with<S, T, K, const SHORT: bool>(s: S, gate: &mut [T], up: &mut [T], dy: &[T])
+fn backward_in_place_with<S, T, K, const MATH: u8>(s: S, gate: &mut [T], up: &mut [T], dy: &[T])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -569,7 +583,7 @@ where
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
         for j in 0..UNROLL {
             let at = j * lanes..(j + 1) * lanes;
-            let (f, df) = T::Acc::act::<SHORT>(s, K::ACT, T::load(s, &g[at.clone()]));
+            let (f, df) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &g[at.clone()]));
             let d = T::load(s, &dy[at.clone()]);
             dg_v[j] = s.mul(s.mul(d, T::load(s, &u[at])), df);
             du_v[j] = s.mul(d, f);
@@ -584,7 +598,7 @@ where
     let rests = g_rest.chunks_mut(lanes).zip(u_rest.chunks_mut(lanes));
     for (k, (g, u)) in rests.enumerate() {
         let (at, n) = (k * lanes, g.len());
-        let (f, df) = T::Acc::act::<SHORT>(s, K::ACT, load_n(s, g, n));
+        let (f, df) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, g, n));
         let d = load_n(s, &dy[at..], n);
         let dg = s.mul(s.mul(d, load_n(s, u, n)), df);
         store_n(s, dg, g);

@@ -71,6 +71,17 @@ const CDF_TAIL_SHORT: [f32; 8] = [
     -0.001_767_836_3,
 ];
 
+/// [`CDF_TAIL_SHORT`] for bf16 results: 6 terms, relative error 7.8e-5 as evaluated in `f32`
+/// (0.02 ulp of bf16's 8-bit significand; fitted as [`EXP2_SHORT`]).
+const CDF_TAIL_BF16: [f32; 6] = [
+    0.617_296_6,
+    -0.195_187_45,
+    -0.056_450_695,
+    0.018_649_451,
+    0.014_199_872,
+    0.001_525_539_2,
+];
+
 /// `c[0] + t (c[1] + t (c[2] + ...))`.
 #[inline(always)]
 fn horner<S: SimdF32>(s: S, c: &[f32], t: S::V) -> S::V {
@@ -113,13 +124,14 @@ pub(crate) fn exp2_short<S: SimdF32>(s: S, t: S::V) -> S::V {
 }
 
 /// `1 / (1 + e^-x)`, lane-wise, as `e^x / (1 + e^x)` for negative `x` so that results below
-/// `f32::MIN_POSITIVE` come out as the subnormals they are instead of 0. With `SHORT`, `e^x`
+/// `f32::MIN_POSITIVE` come out as the subnormals they are instead of 0. With `short` (a
+/// constant where it is inlined), `e^x`
 /// comes from [`exp2_short`] (for 16-bit results: within 4e-6 relative plus `|x| 6e-8`), else
 /// from [`exp`].
 #[inline(always)]
-pub(crate) fn sigmoid<S: SimdF32, const SHORT: bool>(s: S, x: S::V) -> S::V {
+pub(crate) fn sigmoid<S: SimdF32>(s: S, x: S::V, short: bool) -> S::V {
     let (zero, one) = (s.splat(0.0), s.splat(1.0));
-    let e = if SHORT {
+    let e = if short {
         // -|x| log2(e) in one multiplication: the same value as rounding -|x| times log2(e).
         exp2_short(s, s.mul(s.abs(x), s.splat(-LOG2_E)))
     } else {
@@ -153,14 +165,22 @@ pub(crate) fn normal_cdf<S: SimdF32>(s: S, x: S::V) -> (S::V, S::V) {
 /// [`exp2_short`] without the exact split of `x^2` (`x^2` is exact in `f32` for bf16 and f16
 /// inputs, whose significands have at most 11 bits), [`CDF_TAIL_SHORT`] (8 terms instead of
 /// 12), and one division: `1 / (a + K)` gives both `t = 1 - 2K / (a + K)` and the tail's factor.
+///
+/// With `bf16` (a constant where it is inlined), for results rounded to bf16's 8 significant
+/// bits: [`CDF_TAIL_BF16`] (6 terms) instead, within about 9e-5 relative.
 #[inline(always)]
-pub(crate) fn normal_cdf_short<S: SimdF32>(s: S, x: S::V) -> (S::V, S::V) {
+pub(crate) fn normal_cdf_short<S: SimdF32>(s: S, x: S::V, bf16: bool) -> (S::V, S::V) {
     let one = s.splat(1.0);
     let a = s.min(s.splat(CDF_LIMIT), s.abs(x));
     let g = exp2_short(s, s.mul(s.mul(a, s.splat(-0.5 * LOG2_E)), a));
     let r = s.div(one, s.add(a, s.splat(K)));
     let t = s.fma(r, s.splat(-2.0 * K), one);
-    let tail = s.mul(s.mul(g, horner(s, &CDF_TAIL_SHORT, t)), r); // Phi(-a)
+    let q = if bf16 {
+        horner(s, &CDF_TAIL_BF16, t)
+    } else {
+        horner(s, &CDF_TAIL_SHORT, t)
+    };
+    let tail = s.mul(s.mul(g, q), r); // Phi(-a)
     (s.select_lt(x, s.splat(0.0), tail, s.sub(one, tail)), g)
 }
 
@@ -250,9 +270,9 @@ mod tests {
 
         let xs = grid(-120.0, 120.0, 200_000);
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
-        let (e, at) = worst(s, &xs, sigmoid::<S, false>, sig);
+        let (e, at) = worst(s, &xs, |s, v| sigmoid(s, v, false), sig);
         assert!(e <= 2.0, "sigmoid: {e} ulp at {at}");
-        let (e, at) = worst(s, &specials, sigmoid::<S, false>, sig);
+        let (e, at) = worst(s, &specials, |s, v| sigmoid(s, v, false), sig);
         assert!(e <= 2.0, "sigmoid: {e} ulp at {at}");
     }
 
@@ -301,7 +321,7 @@ mod tests {
         v
     }
 
-    /// The `SHORT` functions for 16-bit results: relative errors against float64 over dense
+    /// The short functions for 16-bit results: relative errors against float64 over dense
     /// grids of their whole ranges (the tails, where results go subnormal and underflow to 0,
     /// included), and the special values. Each bound: the polynomial's error plus the rounding
     /// of the scaled argument (`|x| 6e-8` for `e^x`, `x^2 1e-7` for `e^(-x^2/2)`).
@@ -337,16 +357,16 @@ mod tests {
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
         let sig_bound = |x: f64| 4e-6 + 6e-8 * x.abs();
         let xs = grid(-120.0, 120.0, 400_000);
-        let (e, at) = worst_relative(s, &xs, sigmoid::<S, true>, sig, sig_bound);
+        let (e, at) = worst_relative(s, &xs, |s, v| sigmoid(s, v, true), sig, sig_bound);
         assert!(e <= 1.0, "sigmoid short: {e} of the bound at {at}");
-        let (e, at) = worst_relative(s, &specials, sigmoid::<S, true>, sig, sig_bound);
+        let (e, at) = worst_relative(s, &specials, |s, v| sigmoid(s, v, true), sig, sig_bound);
         assert!(e <= 1.0, "sigmoid short: {e} of the bound at {at}");
 
         // Phi(-14) = 8e-45 is of the order of the smallest f32 subnormal: beyond, the left tail
         // is 0 in f32 as in float64 rounded to f32.
         let cdf_bound = |x: f64| 6e-6 + 1e-7 * x * x;
         let xs = grid(-20.0, 20.0, 400_000);
-        let cdf = |s: S, v| normal_cdf_short(s, v).0;
+        let cdf = |s: S, v| normal_cdf_short(s, v, false).0;
         let (e, at) = worst_relative(s, &xs, cdf, phi, cdf_bound);
         assert!(e <= 1.0, "normal_cdf_short: {e} of the bound at {at}");
         let (e, at) = worst_relative(s, &specials, cdf, phi, cdf_bound);
@@ -355,9 +375,21 @@ mod tests {
         let (e, at) = worst_relative(s, &grid(-10.0, -3.0, 200_000), cdf, phi, |_| 2f64.powi(-24));
         eprintln!("normal_cdf_short on [-10, -3]: {e:.0} x 2^-24 relative at {at}");
         assert!(e <= 280.0, "normal_cdf_short: {e} x 2^-24 at {at}");
+        let bf16_bound = |x: f64| 9e-5 + 1e-7 * x * x;
+        let cdf16 = |s: S, v| normal_cdf_short(s, v, true).0;
+        let (e, at) = worst_relative(s, &xs, cdf16, phi, bf16_bound);
+        assert!(
+            e <= 1.0,
+            "normal_cdf_short (bf16): {e} of the bound at {at}"
+        );
+        let (e, at) = worst_relative(s, &specials, cdf16, phi, bf16_bound);
+        assert!(
+            e <= 1.0,
+            "normal_cdf_short (bf16): {e} of the bound at {at}"
+        );
         let g = |x: f64| (-0.5 * x * x).exp();
         let g_bound = |x: f64| 3.2e-6 + 1e-7 * x * x;
-        let (e, at) = worst_relative(s, &xs, |s, v| normal_cdf_short(s, v).1, g, g_bound);
+        let (e, at) = worst_relative(s, &xs, |s, v| normal_cdf_short(s, v, false).1, g, g_bound);
         assert!(e <= 1.0, "e^(-x^2/2) short: {e} of the bound at {at}");
     }
 
