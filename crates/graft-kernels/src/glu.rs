@@ -4,7 +4,8 @@
 //!
 //! The vector kernels compute `f32` activations with [`crate::vmath`] (`e^x` within 1 ulp, the
 //! normal CDF within 3.2 ulp) and `f64` ones lane by lane with libm's `exp`/`erfc`, as the
-//! scalar path ([`GluMath`]) does for element types without vector kernels.
+//! scalar path ([`GluMath`]) does for element types without vector kernels. bf16 and f16
+//! outputs get shorter `f32` math whose error is far below their rounding ([`math_for`]).
 
 use crate::blocks;
 use crate::dispatch::fused_kernels;
@@ -111,8 +112,8 @@ fn eval<A: GluMath>(act: Activation, x: A) -> (A, A) {
 
 /// `(act(x), act'(x))` lane-wise, for vectors of `Self` with the token `S`.
 pub(crate) trait ActLanes<S: Simd<Self>>: Acc {
-    /// The activation and its derivative at every lane of `x`, as accurate as [`math`]`::MATH`
-    /// asks (see [`math_for`]).
+    /// The activation and its derivative at every lane of `x`, with the accuracy `MATH` (one of
+    /// the [`math`] constants; see [`math_for`]).
     fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V);
 }
 
