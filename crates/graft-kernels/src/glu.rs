@@ -4,7 +4,8 @@
 //!
 //! The vector kernels compute `f32` activations with [`crate::vmath`] (`e^x` within 1 ulp, the
 //! normal CDF within 3.2 ulp) and `f64` ones lane by lane with libm's `exp`/`erfc`, as the
-//! scalar path ([`GluMath`]) does for element types without vector kernels.
+//! scalar path ([`GluMath`]) does for element types without vector kernels. bf16 and f16
+//! outputs get shorter `f32` math whose error is far below their rounding ([`math_for`]).
 
 use crate::blocks;
 use crate::dispatch::fused_kernels;
@@ -111,17 +112,45 @@ fn eval<A: GluMath>(act: Activation, x: A) -> (A, A) {
 
 /// `(act(x), act'(x))` lane-wise, for vectors of `Self` with the token `S`.
 pub(crate) trait ActLanes<S: Simd<Self>>: Acc {
-    /// The activation and its derivative at every lane of `x`.
-    fn act(s: S, act: Activation, x: S::V) -> (S::V, S::V);
+    /// The activation and its derivative at every lane of `x`, with the accuracy `MATH` (one of
+    /// the [`math`] constants; see [`math_for`]).
+    fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V);
+}
+
+/// How accurate [`ActLanes::act`]'s `f32` activations must be, by the type they are rounded to.
+pub(crate) mod math {
+    /// `f32` outputs: [`crate::vmath`]'s full-accuracy functions (and `f64`, which always has
+    /// libm's).
+    pub(crate) const FULL: u8 = 0;
+    /// f16 outputs (11 significant bits): the `_short` functions, within about 1e-5 relative.
+    pub(crate) const F16: u8 = 1;
+    /// bf16 outputs (8 significant bits): as [`F16`], with a shorter normal-CDF tail (8e-5).
+    pub(crate) const BF16: u8 = 2;
+}
+
+/// The [`math`] for `T`'s outputs: shorter math for elements narrower than the accumulation type
+/// (bf16 and f16, computed in `f32`), whose outputs keep within about 1 ulp of the 16-bit type
+/// (tests/glu.rs measures them against float64 over every 16-bit gate value); `f32` and `f64`
+/// keep the full math.
+#[inline(always)]
+pub(crate) fn math_for<T: Float>() -> u8 {
+    use std::any::TypeId;
+    if std::mem::size_of::<T>() >= std::mem::size_of::<T::Acc>() {
+        math::FULL
+    } else if TypeId::of::<T>() == TypeId::of::<half::bf16>() {
+        math::BF16
+    } else {
+        math::F16
+    }
 }
 
 impl<S: SimdF32> ActLanes<S> for f32 {
     #[inline(always)]
-    fn act(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
+    fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
         let one = s.splat(1.0);
         match act {
             Activation::Silu => {
-                let sg = vmath::sigmoid(s, x);
+                let sg = vmath::sigmoid(s, x, MATH != math::FULL);
                 let df = s.mul(sg, s.mul_add(x, s.sub(one, sg), one));
                 (s.mul(x, sg), df)
             }
@@ -129,7 +158,7 @@ impl<S: SimdF32> ActLanes<S> for f32 {
                 let x2 = s.mul(x, x);
                 let k1x2 = s.mul(s.splat(TANH_K1 as f32), x2);
                 let u = s.mul(s.splat((2.0 * TANH_K0) as f32), s.mul_add(k1x2, x, x));
-                let sg = vmath::sigmoid(s, u);
+                let sg = vmath::sigmoid(s, u, MATH != math::FULL);
                 // d/dx sigmoid(u) = sigmoid (1 - sigmoid) 2 k0 (1 + 3 k1 x^2)
                 let du = s.mul(
                     s.splat((2.0 * TANH_K0) as f32),
@@ -139,7 +168,10 @@ impl<S: SimdF32> ActLanes<S> for f32 {
                 (s.mul(x, sg), s.mul_add(x, ds, sg))
             }
             Activation::GeluErf => {
-                let (cdf, g) = vmath::normal_cdf(s, x);
+                let (cdf, g) = match MATH {
+                    math::FULL => vmath::normal_cdf(s, x),
+                    m => vmath::normal_cdf_short(s, x, m == math::BF16),
+                };
                 let pdf = s.mul(s.splat(INV_SQRT_2PI as f32), g);
                 (s.mul(x, cdf), s.mul_add(x, pdf, cdf))
             }
@@ -153,7 +185,7 @@ where
 {
     /// Lane by lane with libm: exact to libm's accuracy, as the `f64` reference needs.
     #[inline(always)]
-    fn act(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
+    fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
         let mut lanes = [0.0f64; MAX_LANES];
         f64::store(s, x, &mut lanes[..S::LANES]);
         let mut f = [0.0f64; MAX_LANES];
@@ -338,15 +370,29 @@ where
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
-    match act {
-        Activation::Silu => forward_with::<S, T, SiluKind>(s, gate, up, y),
-        Activation::GeluTanh => forward_with::<S, T, GeluTanhKind>(s, gate, up, y),
-        Activation::GeluErf => forward_with::<S, T, GeluErfKind>(s, gate, up, y),
+    match math_for::<T>() {
+        math::BF16 => forward_act::<S, T, { math::BF16 }>(s, act, gate, up, y),
+        math::F16 => forward_act::<S, T, { math::F16 }>(s, act, gate, up, y),
+        _ => forward_act::<S, T, { math::FULL }>(s, act, gate, up, y),
     }
 }
 
 #[inline(always)]
-fn forward_with<S, T, K>(s: S, gate: &[T], up: &[T], y: &mut [T])
+fn forward_act<S, T, const MATH: u8>(s: S, act: Activation, gate: &[T], up: &[T], y: &mut [T])
+where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: ActLanes<S>,
+{
+    match act {
+        Activation::Silu => forward_with::<S, T, SiluKind, MATH>(s, gate, up, y),
+        Activation::GeluTanh => forward_with::<S, T, GeluTanhKind, MATH>(s, gate, up, y),
+        Activation::GeluErf => forward_with::<S, T, GeluErfKind, MATH>(s, gate, up, y),
+    }
+}
+
+#[inline(always)]
+fn forward_with<S, T, K, const MATH: u8>(s: S, gate: &[T], up: &[T], y: &mut [T])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -362,7 +408,7 @@ where
         let mut out = [s.splat(T::Acc::ZERO); UNROLL];
         for (j, out) in out.iter_mut().enumerate() {
             let at = j * lanes..(j + 1) * lanes;
-            let (f, _) = T::Acc::act(s, K::ACT, T::load(s, &gate[at.clone()]));
+            let (f, _) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &gate[at.clone()]));
             *out = s.mul(f, T::load(s, &up[at]));
         }
         for (y, v) in y.chunks_exact_mut(lanes).zip(out) {
@@ -372,7 +418,7 @@ where
     let (gate, up) = (&gate[split..], &up[split..]);
     for (k, y) in rest.chunks_mut(lanes).enumerate() {
         let (at, n) = (k * lanes, y.len());
-        let (f, _) = T::Acc::act(s, K::ACT, load_n(s, &gate[at..], n));
+        let (f, _) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, &gate[at..], n));
         store_n(s, s.mul(f, load_n(s, &up[at..], n)), y);
     }
 }
@@ -392,16 +438,47 @@ pub(crate) fn backward_lanes<S, T>(
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
-    match act {
-        Activation::Silu => backward_with::<S, T, SiluKind>(s, gate, up, dy, dgate, dup),
-        Activation::GeluTanh => backward_with::<S, T, GeluTanhKind>(s, gate, up, dy, dgate, dup),
-        Activation::GeluErf => backward_with::<S, T, GeluErfKind>(s, gate, up, dy, dgate, dup),
+    match math_for::<T>() {
+        math::BF16 => backward_act::<S, T, { math::BF16 }>(s, act, gate, up, dy, dgate, dup),
+        math::F16 => backward_act::<S, T, { math::F16 }>(s, act, gate, up, dy, dgate, dup),
+        _ => backward_act::<S, T, { math::FULL }>(s, act, gate, up, dy, dgate, dup),
     }
 }
 
 #[inline(always)]
-fn backward_with<S, T, K>(s: S, gate: &[T], up: &[T], dy: &[T], dgate: &mut [T], dup: &mut [T])
-where
+fn backward_act<S, T, const MATH: u8>(
+    s: S,
+    act: Activation,
+    gate: &[T],
+    up: &[T],
+    dy: &[T],
+    dgate: &mut [T],
+    dup: &mut [T],
+) where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: ActLanes<S>,
+{
+    match act {
+        Activation::Silu => backward_with::<S, T, SiluKind, MATH>(s, gate, up, dy, dgate, dup),
+        Activation::GeluTanh => {
+            backward_with::<S, T, GeluTanhKind, MATH>(s, gate, up, dy, dgate, dup)
+        }
+        Activation::GeluErf => {
+            backward_with::<S, T, GeluErfKind, MATH>(s, gate, up, dy, dgate, dup)
+        }
+    }
+}
+
+#[inline(always)]
+fn backward_with<S, T, K, const MATH: u8>(
+    s: S,
+    gate: &[T],
+    up: &[T],
+    dy: &[T],
+    dgate: &mut [T],
+    dup: &mut [T],
+) where
     S: Simd<T::Acc>,
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
@@ -422,7 +499,7 @@ where
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
         for j in 0..UNROLL {
             let at = j * lanes..(j + 1) * lanes;
-            let (f, df) = T::Acc::act(s, K::ACT, T::load(s, &gate[at.clone()]));
+            let (f, df) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &gate[at.clone()]));
             let d = T::load(s, &dy[at.clone()]);
             dg_v[j] = s.mul(s.mul(d, T::load(s, &up[at])), df);
             du_v[j] = s.mul(d, f);
@@ -437,7 +514,7 @@ where
     let rests = dg_rest.chunks_mut(lanes).zip(du_rest.chunks_mut(lanes));
     for (k, (dg, du)) in rests.enumerate() {
         let (at, n) = (k * lanes, dg.len());
-        let (f, df) = T::Acc::act(s, K::ACT, load_n(s, &gate[at..], n));
+        let (f, df) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, &gate[at..], n));
         let d = load_n(s, &dy[at..], n);
         store_n(s, s.mul(s.mul(d, load_n(s, &up[at..], n)), df), dg);
         store_n(s, s.mul(d, f), du);
@@ -457,17 +534,36 @@ pub(crate) fn backward_in_place_lanes<S, T>(
     T: Lanes<S>,
     T::Acc: ActLanes<S>,
 {
+    match math_for::<T>() {
+        math::BF16 => backward_in_place_act::<S, T, { math::BF16 }>(s, act, gate, up, dy),
+        math::F16 => backward_in_place_act::<S, T, { math::F16 }>(s, act, gate, up, dy),
+        _ => backward_in_place_act::<S, T, { math::FULL }>(s, act, gate, up, dy),
+    }
+}
+
+#[inline(always)]
+fn backward_in_place_act<S, T, const MATH: u8>(
+    s: S,
+    act: Activation,
+    gate: &mut [T],
+    up: &mut [T],
+    dy: &[T],
+) where
+    S: Simd<T::Acc>,
+    T: Lanes<S>,
+    T::Acc: ActLanes<S>,
+{
     match act {
-        Activation::Silu => backward_in_place_with::<S, T, SiluKind>(s, gate, up, dy),
-        Activation::GeluTanh => backward_in_place_with::<S, T, GeluTanhKind>(s, gate, up, dy),
-        Activation::GeluErf => backward_in_place_with::<S, T, GeluErfKind>(s, gate, up, dy),
+        Activation::Silu => backward_in_place_with::<S, T, SiluKind, MATH>(s, gate, up, dy),
+        Activation::GeluTanh => backward_in_place_with::<S, T, GeluTanhKind, MATH>(s, gate, up, dy),
+        Activation::GeluErf => backward_in_place_with::<S, T, GeluErfKind, MATH>(s, gate, up, dy),
     }
 }
 
 /// [`backward_with`] with the outputs over the inputs: each block of `UNROLL` vectors is read
 /// whole before it is written.
 #[inline(always)]
-fn backward_in_place_with<S, T, K>(s: S, gate: &mut [T], up: &mut [T], dy: &[T])
+fn backward_in_place_with<S, T, K, const MATH: u8>(s: S, gate: &mut [T], up: &mut [T], dy: &[T])
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -488,7 +584,7 @@ where
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
         for j in 0..UNROLL {
             let at = j * lanes..(j + 1) * lanes;
-            let (f, df) = T::Acc::act(s, K::ACT, T::load(s, &g[at.clone()]));
+            let (f, df) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &g[at.clone()]));
             let d = T::load(s, &dy[at.clone()]);
             dg_v[j] = s.mul(s.mul(d, T::load(s, &u[at])), df);
             du_v[j] = s.mul(d, f);
@@ -503,7 +599,7 @@ where
     let rests = g_rest.chunks_mut(lanes).zip(u_rest.chunks_mut(lanes));
     for (k, (g, u)) in rests.enumerate() {
         let (at, n) = (k * lanes, g.len());
-        let (f, df) = T::Acc::act(s, K::ACT, load_n(s, g, n));
+        let (f, df) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, g, n));
         let d = load_n(s, &dy[at..], n);
         let dg = s.mul(s.mul(d, load_n(s, u, n)), df);
         store_n(s, dg, g);

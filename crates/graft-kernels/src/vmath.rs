@@ -52,6 +52,36 @@ const CDF_TAIL: [f32; 12] = [
 /// Beyond this `|x|`, `e^(-x^2/2)` is 0 in `f32` (clamping keeps the tail polynomial finite).
 const CDF_LIMIT: f32 = 15.0;
 
+/// `(2^f - 1) / f` for `|f| <= 1/2` as a degree-3 polynomial, so that `2^f = 1 + f P(f)` within
+/// 2.9e-6 relative as evaluated in `f32` (fitted for the least largest relative error, by
+/// iteratively reweighted least squares, coefficients rounded to `f32`): [`exp2_short`].
+const EXP2_SHORT: [f32; 4] = [0.693_124_2, 0.240_240_99, 0.055_906_4, 0.009_582_83];
+
+/// [`CDF_TAIL`] with fewer terms, for [`normal_cdf_short`]: `Phi(-a) e^(a^2/2) (a + K)` as a
+/// degree-7 polynomial in `t = (a - K) / (a + K)`, relative error 2.9e-6 as evaluated in `f32`
+/// over `0 <= a <= 15` (fitted as [`EXP2_SHORT`]).
+const CDF_TAIL_SHORT: [f32; 8] = [
+    0.617_343,
+    -0.195_112_59,
+    -0.057_536_013,
+    0.018_089_01,
+    0.017_938_426,
+    0.003_257_052_3,
+    -0.003_277_721_8,
+    -0.001_767_836_3,
+];
+
+/// [`CDF_TAIL_SHORT`] for bf16 results: 6 terms, relative error 7.8e-5 as evaluated in `f32`
+/// (0.02 ulp of bf16's 8-bit significand; fitted as [`EXP2_SHORT`]).
+const CDF_TAIL_BF16: [f32; 6] = [
+    0.617_296_6,
+    -0.195_187_45,
+    -0.056_450_695,
+    0.018_649_451,
+    0.014_199_872,
+    0.001_525_539_2,
+];
+
 /// `c[0] + t (c[1] + t (c[2] + ...))`.
 #[inline(always)]
 fn horner<S: SimdF32>(s: S, c: &[f32], t: S::V) -> S::V {
@@ -77,12 +107,36 @@ pub(crate) fn exp<S: SimdF32>(s: S, x: S::V) -> S::V {
     s.scale(p, n)
 }
 
-/// `1 / (1 + e^-x)`, lane-wise, as `e^x / (1 + e^x)` for negative `x` so that results below
-/// `f32::MIN_POSITIVE` come out as the subnormals they are instead of 0.
+/// `2^t` for `t <= 0`, lane-wise, within 3.5e-6 relative: for results that are rounded to a
+/// 16-bit type (bf16's 8-bit or f16's 11-bit significand) afterwards. `e^x` as `2^(x log2(e))`
+/// adds the rounding of that product, `|x| 6e-8` relative. Against [`exp`]'s 1.05 ulp: 4 fused
+/// multiply-adds instead of 8 and one range-reduction step instead of two. Subnormal results are computed, `2^-inf = 0`, NaN stays
+/// NaN; positive `t` is not supported (no overflow handling).
 #[inline(always)]
-pub(crate) fn sigmoid<S: SimdF32>(s: S, x: S::V) -> S::V {
+pub(crate) fn exp2_short<S: SimdF32>(s: S, t: S::V) -> S::V {
+    // 2^-150 rounds to 0: clamping there changes no result and keeps `scale`'s exponent in
+    // range. `max` keeps a NaN in its second operand.
+    let t = s.max(s.splat(-150.0), t);
+    let n = s.round(t);
+    let f = s.sub(t, n);
+    let p = s.fma(horner(s, &EXP2_SHORT, f), f, s.splat(1.0));
+    s.scale(p, n)
+}
+
+/// `1 / (1 + e^-x)`, lane-wise, as `e^x / (1 + e^x)` for negative `x` so that results below
+/// `f32::MIN_POSITIVE` come out as the subnormals they are instead of 0. With `short` (a
+/// constant where it is inlined), `e^x`
+/// comes from [`exp2_short`] (for 16-bit results: within 4e-6 relative plus `|x| 6e-8`), else
+/// from [`exp`].
+#[inline(always)]
+pub(crate) fn sigmoid<S: SimdF32>(s: S, x: S::V, short: bool) -> S::V {
     let (zero, one) = (s.splat(0.0), s.splat(1.0));
-    let e = exp(s, s.sub(zero, s.abs(x)));
+    let e = if short {
+        // -|x| log2(e) in one multiplication: the same value as rounding -|x| times log2(e).
+        exp2_short(s, s.mul(s.abs(x), s.splat(-LOG2_E)))
+    } else {
+        exp(s, s.sub(zero, s.abs(x)))
+    };
     s.div(s.select_lt(x, zero, e, one), s.add(one, e))
 }
 
@@ -104,6 +158,30 @@ pub(crate) fn normal_cdf<S: SimdF32>(s: S, x: S::V) -> (S::V, S::V) {
         s.select_lt(x, s.splat(0.0), tail, s.sub(s.splat(1.0), tail)),
         g,
     )
+}
+
+/// [`normal_cdf`] for 16-bit results: `(Phi(x), e^(-x^2/2))` within about 1e-5 relative
+/// (measured: see the tests), the left tail included. The same form, cheaper: `e^(-x^2/2)` from
+/// [`exp2_short`] without the exact split of `x^2` (`x^2` is exact in `f32` for bf16 and f16
+/// inputs, whose significands have at most 11 bits), [`CDF_TAIL_SHORT`] (8 terms instead of
+/// 12), and one division: `1 / (a + K)` gives both `t = 1 - 2K / (a + K)` and the tail's factor.
+///
+/// With `bf16` (a constant where it is inlined), for results rounded to bf16's 8 significant
+/// bits: [`CDF_TAIL_BF16`] (6 terms) instead, within about 9e-5 relative.
+#[inline(always)]
+pub(crate) fn normal_cdf_short<S: SimdF32>(s: S, x: S::V, bf16: bool) -> (S::V, S::V) {
+    let one = s.splat(1.0);
+    let a = s.min(s.splat(CDF_LIMIT), s.abs(x));
+    let g = exp2_short(s, s.mul(s.mul(a, s.splat(-0.5 * LOG2_E)), a));
+    let r = s.div(one, s.add(a, s.splat(K)));
+    let t = s.fma(r, s.splat(-2.0 * K), one);
+    let q = if bf16 {
+        horner(s, &CDF_TAIL_BF16, t)
+    } else {
+        horner(s, &CDF_TAIL_SHORT, t)
+    };
+    let tail = s.mul(s.mul(g, q), r); // Phi(-a)
+    (s.select_lt(x, s.splat(0.0), tail, s.sub(one, tail)), g)
 }
 
 #[cfg(test)]
@@ -192,15 +270,133 @@ mod tests {
 
         let xs = grid(-120.0, 120.0, 200_000);
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
-        let (e, at) = worst(s, &xs, sigmoid, sig);
+        let (e, at) = worst(s, &xs, |s, v| sigmoid(s, v, false), sig);
         assert!(e <= 2.0, "sigmoid: {e} ulp at {at}");
-        let (e, at) = worst(s, &specials, sigmoid, sig);
+        let (e, at) = worst(s, &specials, |s, v| sigmoid(s, v, false), sig);
         assert!(e <= 2.0, "sigmoid: {e} ulp at {at}");
+    }
+
+    /// The largest relative error of `f` against `reference` over `xs` divided by `bound` at
+    /// the same `x` (results below `f32::MIN_POSITIVE` count their absolute error in units of
+    /// it; a NaN where the reference is not NaN counts as infinite), and where it is: a value
+    /// at most 1 means `f` keeps within `bound` everywhere.
+    fn worst_relative<S: SimdF32>(
+        s: S,
+        xs: &[f32],
+        f: impl Fn(S, S::V) -> S::V,
+        reference: impl Fn(f64) -> f64,
+        bound: impl Fn(f64) -> f64,
+    ) -> (f64, f32)
+    where
+        f32: Lanes<S>,
+    {
+        let mut worst = (0.0, 0.0);
+        let mut out = vec![0.0f32; S::LANES];
+        for chunk in xs.chunks_exact(S::LANES) {
+            f32::store(s, f(s, f32::load(s, chunk)), &mut out);
+            for (&x, &got) in chunk.iter().zip(&out) {
+                let want = reference(x as f64);
+                let e = if got as f64 == want || (got.is_nan() && want.is_nan()) {
+                    0.0
+                } else {
+                    let scale = want.abs().max(f32::MIN_POSITIVE as f64);
+                    let e = (got as f64 - want).abs() / scale / bound(x as f64);
+                    if e.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        e
+                    }
+                };
+                if e > worst.0 {
+                    worst = (e, x);
+                }
+            }
+        }
+        worst
+    }
+
+    /// `v` padded to whole vectors of the token `S`.
+    fn padded<S: SimdF32>(mut v: Vec<f32>) -> Vec<f32> {
+        v.resize(S::LANES.max(v.len()).next_multiple_of(S::LANES), 1.0);
+        v
+    }
+
+    /// The short functions for 16-bit results: relative errors against float64 over dense
+    /// grids of their whole ranges (the tails, where results go subnormal and underflow to 0,
+    /// included), and the special values. Each bound: the polynomial's error plus the rounding
+    /// of the scaled argument (`|x| 6e-8` for `e^x`, `x^2 1e-7` for `e^(-x^2/2)`).
+    fn check_short_token<S: SimdF32>(s: S)
+    where
+        f32: Lanes<S>,
+    {
+        let specials = padded::<S>(vec![
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            0.0,
+            -0.0,
+            -13.0,
+            -87.3,
+            -88.8,
+            88.8,
+            -103.3,
+            -104.0,
+        ]);
+        let exp_bound = |x: f64| 3.5e-6 + 6e-8 * x.abs();
+        let xs = grid(-110.0, 0.0, 400_000);
+        let exp_short = |s: S, v| exp2_short(s, s.mul(v, s.splat(LOG2_E)));
+        let (e, at) = worst_relative(s, &xs, exp_short, f64::exp, exp_bound);
+        assert!(e <= 1.0, "exp_short: {e} of the bound at {at}");
+        let nonpos: Vec<f32> = specials
+            .iter()
+            .map(|&x| if x > 0.0 { -x } else { x })
+            .collect();
+        let (e, at) = worst_relative(s, &nonpos, exp_short, f64::exp, exp_bound);
+        assert!(e <= 1.0, "exp_short: {e} of the bound at {at}");
+
+        let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let sig_bound = |x: f64| 4e-6 + 6e-8 * x.abs();
+        let xs = grid(-120.0, 120.0, 400_000);
+        let (e, at) = worst_relative(s, &xs, |s, v| sigmoid(s, v, true), sig, sig_bound);
+        assert!(e <= 1.0, "sigmoid short: {e} of the bound at {at}");
+        let (e, at) = worst_relative(s, &specials, |s, v| sigmoid(s, v, true), sig, sig_bound);
+        assert!(e <= 1.0, "sigmoid short: {e} of the bound at {at}");
+
+        // Phi(-14) = 8e-45 is of the order of the smallest f32 subnormal: beyond, the left tail
+        // is 0 in f32 as in float64 rounded to f32.
+        let cdf_bound = |x: f64| 6e-6 + 1e-7 * x * x;
+        let xs = grid(-20.0, 20.0, 400_000);
+        let cdf = |s: S, v| normal_cdf_short(s, v, false).0;
+        let (e, at) = worst_relative(s, &xs, cdf, phi, cdf_bound);
+        assert!(e <= 1.0, "normal_cdf_short: {e} of the bound at {at}");
+        let (e, at) = worst_relative(s, &specials, cdf, phi, cdf_bound);
+        assert!(e <= 1.0, "normal_cdf_short: {e} of the bound at {at}");
+        // The left tail where `0.5 (1 + erf(x / sqrt 2))` cancels: relative, in units of 2^-24.
+        let (e, at) = worst_relative(s, &grid(-10.0, -3.0, 200_000), cdf, phi, |_| 2f64.powi(-24));
+        eprintln!("normal_cdf_short on [-10, -3]: {e:.0} x 2^-24 relative at {at}");
+        assert!(e <= 280.0, "normal_cdf_short: {e} x 2^-24 at {at}");
+        let bf16_bound = |x: f64| 9e-5 + 1e-7 * x * x;
+        let cdf16 = |s: S, v| normal_cdf_short(s, v, true).0;
+        let (e, at) = worst_relative(s, &xs, cdf16, phi, bf16_bound);
+        assert!(
+            e <= 1.0,
+            "normal_cdf_short (bf16): {e} of the bound at {at}"
+        );
+        let (e, at) = worst_relative(s, &specials, cdf16, phi, bf16_bound);
+        assert!(
+            e <= 1.0,
+            "normal_cdf_short (bf16): {e} of the bound at {at}"
+        );
+        let g = |x: f64| (-0.5 * x * x).exp();
+        let g_bound = |x: f64| 3.2e-6 + 1e-7 * x * x;
+        let (e, at) = worst_relative(s, &xs, |s, v| normal_cdf_short(s, v, false).1, g, g_bound);
+        assert!(e <= 1.0, "e^(-x^2/2) short: {e} of the bound at {at}");
     }
 
     #[test]
     fn portable_functions_are_accurate() {
         check_token(Portable);
+        check_short_token(Portable);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -209,9 +405,11 @@ mod tests {
         use crate::simd::x86::{Avx2, Avx512};
         if let Some(s) = Avx2::detect() {
             check_token(s);
+            check_short_token(s);
         }
         if let Some(s) = Avx512::detect() {
             check_token(s);
+            check_short_token(s);
         }
     }
 }
