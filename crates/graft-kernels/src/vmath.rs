@@ -205,12 +205,13 @@ mod tests {
         (got as f64 - want).abs() / spacing
     }
 
-    /// The largest ulp error of `f` (run through the token `s`) against `reference` over `xs`.
-    fn worst<S: SimdF32>(
+    /// The largest `error(x, f(x))` of `f` (run through the token `s`) over `xs`, and where it
+    /// is; a NaN error counts as infinite.
+    fn worst_by<S: SimdF32>(
         s: S,
         xs: &[f32],
         f: impl Fn(S, S::V) -> S::V,
-        reference: impl Fn(f64) -> f64,
+        error: impl Fn(f32, f32) -> f64,
     ) -> (f64, f32)
     where
         f32: Lanes<S>,
@@ -220,13 +221,27 @@ mod tests {
         for chunk in xs.chunks_exact(S::LANES) {
             f32::store(s, f(s, f32::load(s, chunk)), &mut out);
             for (&x, &got) in chunk.iter().zip(&out) {
-                let e = ulps(got, reference(x as f64));
-                if e.is_nan() || e > worst.0 {
+                let e = error(x, got);
+                let e = if e.is_nan() { f64::INFINITY } else { e };
+                if e > worst.0 {
                     worst = (e, x);
                 }
             }
         }
         worst
+    }
+
+    /// The largest ulp error of `f` against `reference` over `xs`.
+    fn worst<S: SimdF32>(
+        s: S,
+        xs: &[f32],
+        f: impl Fn(S, S::V) -> S::V,
+        reference: impl Fn(f64) -> f64,
+    ) -> (f64, f32)
+    where
+        f32: Lanes<S>,
+    {
+        worst_by(s, xs, f, |x, got| ulps(got, reference(x as f64)))
     }
 
     fn grid(lo: f32, hi: f32, n: usize) -> Vec<f32> {
@@ -290,29 +305,14 @@ mod tests {
     where
         f32: Lanes<S>,
     {
-        let mut worst = (0.0, 0.0);
-        let mut out = vec![0.0f32; S::LANES];
-        for chunk in xs.chunks_exact(S::LANES) {
-            f32::store(s, f(s, f32::load(s, chunk)), &mut out);
-            for (&x, &got) in chunk.iter().zip(&out) {
-                let want = reference(x as f64);
-                let e = if got as f64 == want || (got.is_nan() && want.is_nan()) {
-                    0.0
-                } else {
-                    let scale = want.abs().max(f32::MIN_POSITIVE as f64);
-                    let e = (got as f64 - want).abs() / scale / bound(x as f64);
-                    if e.is_nan() {
-                        f64::INFINITY
-                    } else {
-                        e
-                    }
-                };
-                if e > worst.0 {
-                    worst = (e, x);
-                }
+        worst_by(s, xs, f, |x, got| {
+            let want = reference(x as f64);
+            if got as f64 == want || (got.is_nan() && want.is_nan()) {
+                return 0.0;
             }
-        }
-        worst
+            let scale = want.abs().max(f32::MIN_POSITIVE as f64);
+            (got as f64 - want).abs() / scale / bound(x as f64)
+        })
     }
 
     /// `v` padded to whole vectors of the token `S`.
