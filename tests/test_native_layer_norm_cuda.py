@@ -132,6 +132,31 @@ def test_close_to_aten_and_deterministic():
         assert torch.equal(g, a)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [4096, 40000])
+def test_non_finite_rows_like_aten(dtype, hidden):
+    # Rows kernel (16-bit: one reduction of sums shifted by the row's first element) and loop
+    # kernel: an infinity or NaN anywhere in a row, the first element included, makes the row's
+    # output NaN as in ATen; the other rows stay exact.
+    x = randn(6, hidden, dtype=dtype, shift=1.0)
+    x[1, 0] = float("inf")
+    x[2, 7] = float("inf")
+    x[3, 5], x[3, 9] = float("-inf"), float("inf")
+    x[4, 3] = float("nan")
+    w, b = randn(hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    want = A.native_layer_norm(x, [hidden], w, b, 1e-5)
+    with torchgraft.enabled():
+        got = A.native_layer_norm(x, [hidden], w, b, 1e-5)
+    assert calls(FWD) == 1
+    assert torch.equal(got[0].isnan(), want[0].isnan())
+    assert torch.equal(got[0].isinf(), want[0].isinf())
+    for g, t in zip(got[1:], want[1:], strict=True):
+        assert torch.equal(g.isfinite(), t.isfinite())
+    finite = [0, 5]
+    for g, t in zip(got, want, strict=True):
+        assert rel_err(g[finite], t[finite]) < TOL[dtype]
+
+
 def test_layouts_empty_and_multi_dim_shapes():
     cases = [
         (randn(40, 6, shift=1.0).t(), [40]),

@@ -20,7 +20,7 @@ BOUNDS = {1: 1024, 2: 1024, 4: 512, 8: 256}  # 16-bit vector kernels' launch bou
 class Params(ctypes.Structure):
     _fields_ = [
         *((n, U64) for n in ("x", "w", "b", "y", "mean", "rstd", "dy", "dx", "partial")),
-        *((n, I64) for n in ("rows", "cols", "tpr", "rpb", "vec")),
+        *((n, I64) for n in ("rows", "cols", "tpr", "rpb", "vec", "stage")),
         ("eps", ctypes.c_double),
         ("inv_cols", ctypes.c_double),
     ]

@@ -1,10 +1,10 @@
 """LayerNorm backward launch shapes (kernels/layer_norm.cu rows kernels + finalize): every
-vector width V, rows per block and grid size that the launch bounds allow, at hidden 4096 and
-8192 (bf16), checked against ATen's backward and timed against the three-pass floor.
+vector width V, rows per block, grid size and staging (the next x and dy rows copied into a
+second shared memory buffer ahead, or rows loaded straight to registers) that the launch bounds
+allow, at hidden 2048, 4096 and 8192 (bf16), checked against ATen's backward and timed against
+the three-pass floor.
 
-    python bench/kernel_lab/layer_norm_sweep.py [source.cu] [--v2-512]
-
-``--v2-512``: the source's 16-bit V=2 backward kernel has a 512-thread launch bound.
+    python bench/kernel_lab/layer_norm_sweep.py [source.cu]
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import torch
 from lab import KERNELS, Module, median_ms, rel_err, sms
 
 U64, I64 = ctypes.c_uint64, ctypes.c_int64
+BOUNDS = {1: 512, 2: 512, 4: 256}  # 16-bit vector backward kernels' launch bounds
 
 
 class Params(ctypes.Structure):
     _fields_ = [
         *((n, U64) for n in ("x", "w", "b", "y", "mean", "rstd", "dy", "dx", "partial")),
-        *((n, I64) for n in ("rows", "cols", "tpr", "rpb", "vec")),
+        *((n, I64) for n in ("rows", "cols", "tpr", "rpb", "vec", "stage")),
         ("eps", ctypes.c_double),
         ("inv_cols", ctypes.c_double),
     ]
@@ -33,10 +34,8 @@ class FinalizeParams(ctypes.Structure):
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    source = args[0] if args else KERNELS / "layer_norm.cu"
-    module = Module(source)
-    bounds = {1: 512, 2: 512 if "--v2-512" in sys.argv else 256, 4: 256}
-    for rows, cols in ((32768, 4096), (16384, 8192)):
+    module = Module(args[0] if args else KERNELS / "layer_norm.cu")
+    for rows, cols in ((32768, 2048), (32768, 4096), (16384, 8192)):
         x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         w, b = (torch.randn(cols, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         dy = torch.randn_like(x)
@@ -48,43 +47,51 @@ def main() -> None:
         floor = 1.5 * copy  # read x and dy, write dx
         print(f"== {rows}x{cols}: copy {copy:.4f} ms, three-pass floor {floor:.4f} ms")
         results = []
-        for v, bound in bounds.items():
+        for v, bound in BOUNDS.items():
             tpr = cols // 8 // v
             for rpb in (1, 2, 4):
                 if tpr * rpb > bound or (tpr * rpb) % 32:
                     continue
-                smem = (rpb - 1) * tpr * v * 8 * 4 * 2
                 name = f"graft_ln_bwd_rows_v{v}_bf16"
-                if smem > 48 * 1024:
-                    module.allow_shared_memory(name, smem)
-                for per_sm in (1, 2, 3, 4):
-                    grid = min(rows // rpb, sms() * per_sm)
-                    dx = torch.full_like(x, float("nan"))
-                    dw, db = torch.full_like(w, float("nan")), torch.full_like(b, float("nan"))
-                    part = torch.empty(grid, 2 * cols, device="cuda")
-                    ptrs = (x, w, None, None, mean, rstd, dy, dx, part)
-                    p = Params(*(t.data_ptr() if t is not None else 0 for t in ptrs))
-                    p.rows, p.cols, p.tpr, p.rpb, p.vec = rows, cols, tpr, rpb, 1
-                    p.eps, p.inv_cols = 1e-5, 1.0 / cols
-                    fp = FinalizeParams(part.data_ptr(), dw.data_ptr(), db.data_ptr(), grid, cols)
-
-                    def call(name=name, grid=grid, block=tpr * rpb, p=p, smem=smem, fp=fp) -> None:
-                        module.launch(name, grid, block, p, smem)
-                        # The library's finalize: 32 columns per block of 256 threads.
-                        module.launch("graft_ln_finalize_bf16", fp.cols // 32 + 1, 256, fp)
-
-                    try:
-                        call()
-                        torch.cuda.synchronize()
-                    except RuntimeError as error:
-                        print(f"V{v} rpb{rpb} grid{grid}: {error}")
+                for stage in (0, 1):
+                    partial_smem = (rpb - 1) * tpr * v * 8 * 4 * 2
+                    smem = max(partial_smem, stage * 4 * rpb * v * tpr * 16)
+                    if smem > 200 * 1024:
                         continue
-                    err = max(rel_err(o, r) for o, r in zip((dx, dw, db), ref, strict=True))
-                    results.append((median_ms(call), v, tpr, rpb, grid, smem, err))
-        for t, v, tpr, rpb, grid, smem, err in sorted(results)[:6]:
+                    if smem > 48 * 1024:
+                        module.allow_shared_memory(name, smem)
+                    for per_sm in (1, 2, 3, 4):
+                        grid = min(rows // rpb, sms() * per_sm)
+                        dx = torch.full_like(x, float("nan"))
+                        dw, db = torch.full_like(w, float("nan")), torch.full_like(b, float("nan"))
+                        part = torch.empty(grid, 2 * cols, device="cuda")
+                        ptrs = (x, w, None, None, mean, rstd, dy, dx, part)
+                        p = Params(*(t.data_ptr() if t is not None else 0 for t in ptrs))
+                        p.rows, p.cols, p.tpr, p.rpb = rows, cols, tpr, rpb
+                        p.vec, p.stage = 1, stage
+                        p.eps, p.inv_cols = 1e-5, 1.0 / cols
+                        fp = FinalizeParams(
+                            part.data_ptr(), dw.data_ptr(), db.data_ptr(), grid, cols
+                        )
+
+                        def call(name=name, grid=grid, block=tpr * rpb, p=p, smem=smem, fp=fp):
+                            module.launch(name, grid, block, p, smem)
+                            # The library's finalize: 32 columns per block of 256 threads.
+                            module.launch("graft_ln_finalize_bf16", fp.cols // 32 + 1, 256, fp)
+
+                        try:
+                            call()
+                            torch.cuda.synchronize()
+                        except RuntimeError as error:
+                            print(f"V{v} rpb{rpb} stage{stage} grid{grid}: {error}")
+                            continue
+                        outs = (dx, dw, db)
+                        err = max(rel_err(o, r) for o, r in zip(outs, ref, strict=True))
+                        results.append((median_ms(call), v, tpr, rpb, stage, grid, smem, err))
+        for t, v, tpr, rpb, stage, grid, smem, err in sorted(results)[:8]:
             print(
-                f"{t:.4f} ms ({t / floor:.3f}x floor) V{v} tpr{tpr} rpb{rpb} grid{grid} "
-                f"smem{smem} worst error vs ATen {err:.1e}"
+                f"{t:.4f} ms ({t / floor:.3f}x floor) V{v} tpr{tpr} rpb{rpb} stage{stage} "
+                f"grid{grid} smem{smem} worst error vs ATen {err:.1e}"
             )
 
 

@@ -7,6 +7,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -129,14 +130,16 @@ struct Launch {
   long tpr, rpb;
   bool vec;
   size_t smem;
+  bool stage;  // backward rows, vector access: x and dy rows staged in shared memory
 };
 
 void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bool w_on, bool b_on,
               int mask) {
   const size_t n = size_t(rows * cols);
   char ctx[256];
-  std::snprintf(ctx, sizeof ctx, "%s/%s rows=%ld cols=%ld tpr=%ld rpb=%ld grid=%u w=%d b=%d mask=%d",
-                fl.name.c_str(), bl.name.c_str(), rows, cols, bl.tpr, bl.rpb, bl.grid, w_on, b_on, mask);
+  std::snprintf(ctx, sizeof ctx, "%s/%s rows=%ld cols=%ld tpr=%ld rpb=%ld grid=%u stage=%d w=%d b=%d mask=%d",
+                fl.name.c_str(), bl.name.c_str(), rows, cols, bl.tpr, bl.rpb, bl.grid, bl.stage, w_on, b_on,
+                mask);
   const DT a = acc_of(d);
   Buf x(d, n), y(d, n), w(d, size_t(cols)), b(d, size_t(cols)), mean(a, size_t(rows)), rstd(a, size_t(rows));
   std::vector<double> xv(n), wv(size_t(cols), 1.0), bv(size_t(cols), 0.0);
@@ -214,6 +217,7 @@ void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bo
   q.tpr = bl.tpr;
   q.rpb = bl.rpb;
   q.vec = bl.vec;
+  q.stage = bl.stage;
   q.inv_cols = 1.0 / double(cols);
   launch(bl.name, bl.grid, bl.block, bl.smem, q);
   ++launches;
@@ -268,10 +272,16 @@ void cases(DT d) {
         const std::string vs = std::string(vec ? "v" : "s") + std::to_string(v) + "_" + tag(d);
         const size_t acc = dt_size(acc_of(d));
         const size_t smem = size_t(rpb - 1) * size_t(v) * size_t(N) * tpr * 2 * acc;
-        Launch fl{std::string("graft_ln_fwd_rows_") + vs, 2, tpr * rpb, long(tpr), long(rpb), vec, 0};
-        Launch bl{std::string("graft_ln_bwd_rows_") + vs, 2, tpr * rpb, long(tpr), long(rpb), vec, smem};
-        for (int mask : {3, 1, 2})
-          run_case(d, rows, cols, fl, bl, mask != 1, mask == 3, mask);
+        Launch fl{std::string("graft_ln_fwd_rows_") + vs, 2, tpr * rpb, long(tpr), long(rpb), vec, 0, false};
+        for (bool stage : {false, true}) {
+          if (stage && !vec) continue;
+          // Staged: two buffers of x and dy, 16 bytes a unit, shared with the partial rows.
+          const size_t staged = stage ? 4 * size_t(rpb) * size_t(v) * tpr * 16 : 0;
+          Launch bl{std::string("graft_ln_bwd_rows_") + vs, 2, tpr * rpb, long(tpr), long(rpb), vec,
+                    std::max(smem, staged), stage};
+          for (int mask : {3, 1, 2})
+            run_case(d, rows, cols, fl, bl, mask != 1, mask == 3, mask);
+        }
       }
     }
   }
@@ -279,8 +289,8 @@ void cases(DT d) {
     for (bool vec : {true, false}) {
       if (vec && cols % N != 0) continue;
       for (unsigned block : {64u, 256u}) {
-        Launch fl{std::string("graft_ln_fwd_loop_") + tag(d), 2, block, block, 1, vec, 0};
-        Launch bl{std::string("graft_ln_bwd_loop_") + tag(d), 2, block, block, 1, vec, 0};
+        Launch fl{std::string("graft_ln_fwd_loop_") + tag(d), 2, block, block, 1, vec, 0, false};
+        Launch bl{std::string("graft_ln_bwd_loop_") + tag(d), 2, block, block, 1, vec, 0, false};
         for (int mask : {3, 1, 2}) run_case(d, 5, cols, fl, bl, mask != 2, mask != 1, mask);
       }
     }

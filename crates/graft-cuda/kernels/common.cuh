@@ -100,6 +100,63 @@ __device__ __forceinline__ A group_reduce(A v, int tpr, A* red, Op op) {
   return v;
 }
 
+// Two sums over the `tpr` threads of a row group at once, with group_reduce's rules: one
+// barrier for both. `red` holds 2 x 32 values; callers alternate two buffers.
+template <typename A>
+__device__ __forceinline__ void group_sum_pair(A& a, A& b, int tpr, A (*red)[32]) {
+  const int width = tpr < 32 ? tpr : 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (o < width) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+  }
+  if (tpr > 32) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+      red[0][warp] = a;
+      red[1][warp] = b;
+    }
+    __syncthreads();
+    const int nw = tpr >> 5;
+    const int w0 = (warp / nw) * nw;
+    a = red[0][w0];
+    b = red[1][w0];
+    for (int i = 1; i < nw; ++i) {
+      a += red[0][w0 + i];
+      b += red[1][w0 + i];
+    }
+  }
+}
+
+// Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), which hold no registers
+// while in flight; a plain copy where cp.async does not exist (the CPU emulator). A thread
+// waits only for its own copies: callers read back only what the same thread copied.
+template <typename T>
+__device__ __forceinline__ void copy_async(Pack<T>* smem, const T* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *smem = load_pack(gmem);
+#endif
+}
+
+// Closes this thread's group of copies issued since the last commit.
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most one of this thread's committed groups is still in flight.
+__device__ __forceinline__ void copy_async_wait_all_but_one() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
 // Units: 16 bytes of a row's element type (N = 16 / sizeof(T) elements), widened to A.
 
 template <typename T>

@@ -10,9 +10,14 @@
 // Kernel shapes (as kernels/softmax.cu):
 //   *_rows_{v,s}{V}  a row group of `tpr` threads holds a row in registers (V units of 16
 //                    bytes per thread, 16-byte or element accesses); `rpb` groups per block.
-//                    Forward: one read, one write. Backward: a persistent grid; each thread
-//                    keeps dw and db for its columns across rows, the row groups of a block are
-//                    added in a fixed order and each block writes one partial row (dw then db).
+//                    Forward: one read, one write; 16-bit inputs take the mean and variance
+//                    from one reduction of shifted sums (below). Backward: a persistent grid;
+//                    each thread keeps dw and db for its columns across rows, the row groups
+//                    of a block are added in a fixed order and each block writes one partial
+//                    row (dw then db). With `stage` (vector access), each thread copies its
+//                    units of the block's next x and dy rows into shared memory (cp.async)
+//                    while the current row computes: the loads stay in flight through the
+//                    row's reduction and stores.
 //   *_loop           any cols: one row per block at a time. Forward: shifted sums (around the
 //                    row's first element) in one pass, the output in a second. Backward: the
 //                    row's sums, then dx, adding dw and db into the block's partial row.
@@ -29,9 +34,14 @@
 namespace graft_layer_norm {
 
 using graft_common::Acc;
+using graft_common::copy_async;
+using graft_common::copy_async_commit;
+using graft_common::copy_async_wait_all_but_one;
 using graft_common::from_acc;
 using graft_common::group_reduce;
+using graft_common::group_sum_pair;
 using graft_common::load_unit;
+using graft_common::Pack;
 using graft_common::store_unit;
 using graft_common::SumOp;
 using graft_common::to_acc;
@@ -53,6 +63,7 @@ struct Params {
   long long tpr;
   long long rpb;
   long long vec;
+  long long stage;  // backward rows kernels, vector access: rows staged in shared memory
   double eps;
   double inv_cols;
 };
@@ -128,7 +139,8 @@ template <typename T, int V, bool VEC>
 __device__ __forceinline__ void fwd_rows(const Params& p) {
   using A = typename Acc<T>::type;
   constexpr int N = Units<T>::N;
-  __shared__ A red[2][32];
+  constexpr bool kShifted = sizeof(T) == 2;
+  __shared__ A red[2][2][32];
   const int tpr = int(p.tpr), rpb = int(p.rpb);
   const long long cols = p.cols;
   const long long nunits = (cols + N - 1) / N;
@@ -144,29 +156,61 @@ __device__ __forceinline__ void fwd_rows(const Params& p) {
     const bool ok = row < p.rows;
     const T* x = static_cast<const T*>(p.x) + (ok ? row * cols : 0);
     A v[V][N];
-    A s = A(0);
+    // The row's units into v; missing units (past the row's end) get `pad`.
+    auto load_row = [&](A pad) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const long long j = (long long)k * tpr + t;
-      load_unit(v[k], x, j, cols, VEC, ok && j < nunits, A(0));
-#pragma unroll
-      for (int e = 0; e < N; ++e) s += v[k][e];
-    }
-    const A mean = group_reduce(s, tpr, red[parity], SumOp()) * inv_cols;
-    parity ^= 1;
-    A q = A(0);
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const long long j = (long long)k * tpr + t;
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const A d = v[k][e] - mean;
-        // Padding (past the row's end) adds nothing.
-        if (ok && j * N + e < cols) q += d * d;
+      for (int k = 0; k < V; ++k) {
+        const long long j = (long long)k * tpr + t;
+        load_unit(v[k], x, j, cols, VEC, ok && j < nunits, pad);
       }
+    };
+    A mean, var;
+    if constexpr (kShifted) {
+      // One reduction: sums of x - K and (x - K)^2 around the row's first element K. The
+      // variance loses at most about cols float ulps to cancellation (K is one of the row's
+      // values), far below a 16-bit output's rounding; float inputs keep two exact passes.
+      const A shift = ok ? to_acc(x[0]) : A(0);
+      load_row(shift);  // padding is K: it adds nothing
+      A s1 = A(0), s2 = A(0);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const A d = v[k][e] - shift;
+          s1 += d;
+          s2 += d * d;
+        }
+      }
+      group_sum_pair(s1, s2, tpr, red[parity]);
+      parity ^= 1;
+      const A dm = s1 * inv_cols;
+      mean = shift + dm;
+      var = s2 * inv_cols - dm * dm;
+      var = var < A(0) ? A(0) : var;  // NaN (a non-finite row) stays NaN
+    } else {
+      load_row(A(0));
+      A s = A(0);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) s += v[k][e];
+      }
+      mean = group_reduce(s, tpr, red[parity][0], SumOp()) * inv_cols;
+      parity ^= 1;
+      A q = A(0);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const long long j = (long long)k * tpr + t;
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const A d = v[k][e] - mean;
+          // Padding (past the row's end) adds nothing.
+          if (ok && j * N + e < cols) q += d * d;
+        }
+      }
+      var = group_reduce(q, tpr, red[parity][0], SumOp()) * inv_cols;
+      parity ^= 1;
     }
-    const A var = group_reduce(q, tpr, red[parity], SumOp()) * inv_cols;
-    parity ^= 1;
     const A r = rsqrt_acc(var + eps);
     if (ok) {
       if (t == 0) {
@@ -247,7 +291,7 @@ template <typename T, int V, bool VEC>
 __device__ __forceinline__ void bwd_rows(const Params& p) {
   using A = typename Acc<T>::type;
   constexpr int N = Units<T>::N;
-  __shared__ A red[2][32];
+  __shared__ A red[2][2][32];
   GRAFT_DYN_SMEM(dyn_smem);
   const int tpr = int(p.tpr), rpb = int(p.rpb);
   const long long cols = p.cols;
@@ -261,27 +305,62 @@ __device__ __forceinline__ void bwd_rows(const Params& p) {
   const bool has_dx = p.dx != nullptr;
   const bool has_sums = p.partial != nullptr;
   const long long nsets = (p.rows + rpb - 1) / rpb;
-  int parity = 0;
+  // Staging: two buffers of [x, dy][group][k][t] units in dynamic shared memory (reused by
+  // write_partial at the end). A thread copies and reads only its own units, so no barrier
+  // guards a buffer; the copies of set + gridDim.x fly while set computes.
+  const bool stage = VEC && p.stage != 0;
+  Pack<T>* staged = reinterpret_cast<Pack<T>*>(dyn_smem);
+  auto slot = [&](int st, int a, int k) { return ((st * 2 + a) * rpb + g) * V * tpr + k * tpr + t; };
+  auto prefetch = [&](long long set, int st) {
+    const long long row = set * rpb + g;
+    if (set < nsets && row < p.rows) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const long long j = (long long)k * tpr + t;
+        if (j < nunits) {
+          copy_async(&staged[slot(st, 0, k)], static_cast<const T*>(p.x) + row * cols + j * N);
+          copy_async(&staged[slot(st, 1, k)], static_cast<const T*>(p.dy) + row * cols + j * N);
+        }
+      }
+    }
+    copy_async_commit();
+  };
+  if (stage) prefetch(blockIdx.x, 0);
+  int parity = 0, it = 0;
   A dw[V][N], db[V][N];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
 #pragma unroll
     for (int e = 0; e < N; ++e) dw[k][e] = db[k][e] = A(0);
   }
-  for (long long set = blockIdx.x; set < nsets; set += gridDim.x) {
+  for (long long set = blockIdx.x; set < nsets; set += gridDim.x, ++it) {
     const long long row = set * rpb + g;
     const bool ok = row < p.rows;
     const long long base = ok ? row * cols : 0;
     const T* x = static_cast<const T*>(p.x) + base;
     const T* dy = static_cast<const T*>(p.dy) + base;
     const A mean = ok ? means[row] : A(0), r = ok ? rstds[row] : A(0);
+    const int st = it & 1;
+    if (stage) {
+      prefetch(set + gridDim.x, st ^ 1);  // into the buffer the previous set used
+      copy_async_wait_all_but_one();      // this set's copies have landed
+    }
     A xh[V][N], gv[V][N];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const long long j = (long long)k * tpr + t;
       const bool valid = ok && j < nunits;
-      load_unit(xh[k], x, j, cols, VEC, valid, A(0));
-      load_unit(gv[k], dy, j, cols, VEC, valid, A(0));
+      if (stage) {
+        const Pack<T> px = staged[slot(st, 0, k)], pd = staged[slot(st, 1, k)];
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          xh[k][e] = valid ? to_acc(px.v[e]) : A(0);
+          gv[k][e] = valid ? to_acc(pd.v[e]) : A(0);
+        }
+      } else {
+        load_unit(xh[k], x, j, cols, VEC, valid, A(0));
+        load_unit(gv[k], dy, j, cols, VEC, valid, A(0));
+      }
 #pragma unroll
       for (int e = 0; e < N; ++e) {
         // xhat of padding is -mean * r, but its dy (and so every term) is 0.
@@ -306,10 +385,9 @@ __device__ __forceinline__ void bwd_rows(const Params& p) {
           sgx += gv[k][e] * xh[k][e];
         }
       }
-      const A mean_g = group_reduce(sg, tpr, red[parity], SumOp()) * inv_cols;
+      group_sum_pair(sg, sgx, tpr, red[parity]);
       parity ^= 1;
-      const A mean_gx = group_reduce(sgx, tpr, red[parity], SumOp()) * inv_cols;
-      parity ^= 1;
+      const A mean_g = sg * inv_cols, mean_gx = sgx * inv_cols;
       if (ok) {
         T* dx = static_cast<T*>(p.dx) + base;
 #pragma unroll
@@ -325,7 +403,10 @@ __device__ __forceinline__ void bwd_rows(const Params& p) {
       }
     }
   }
-  if (has_sums) write_partial<A, V, N, VEC>(p, dw, db, tpr, rpb, g, t, reinterpret_cast<A*>(dyn_smem));
+  if (has_sums) {
+    if (stage && rpb > 1) __syncthreads();  // other groups may still read their stages
+    write_partial<A, V, N, VEC>(p, dw, db, tpr, rpb, g, t, reinterpret_cast<A*>(dyn_smem));
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -367,7 +448,7 @@ __device__ __forceinline__ void fwd_loop(const Params& p) {
     const A dm = s1 * inv_cols;
     const A mean = shift + dm;
     A var = s2 * inv_cols - dm * dm;
-    var = var > A(0) ? var : A(0);
+    var = var < A(0) ? A(0) : var;  // NaN (a non-finite row) stays NaN
     const A r = rsqrt_acc(var + eps);
     if (t == 0) {
       static_cast<A*>(p.mean)[row] = mean;

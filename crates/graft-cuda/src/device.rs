@@ -193,9 +193,13 @@ fn load(api: &'static Api, ordinal: i32, ctx: CuContext) -> Result<DeviceState, 
             static_smem: func_attribute(api, f, driver::FUNC_ATTR_SHARED_SIZE_BYTES)?,
             max_threads: func_attribute(api, f, driver::FUNC_ATTR_MAX_THREADS_PER_BLOCK)?,
         };
-        // RMSNorm's backward kernels and softmax's loop kernels may take more than the
-        // default 48 KB of dynamic shared memory (a dw partial row, or a staged row).
-        if name.starts_with("graft_rms_bwd_") || crate::softmax::wants_large_smem(name) {
+        // RMSNorm's backward kernels, softmax's loop kernels and LayerNorm's backward rows
+        // kernels may take more than the default 48 KB of dynamic shared memory (a dw partial
+        // row, or staged rows).
+        if name.starts_with("graft_rms_bwd_")
+            || crate::softmax::wants_large_smem(name)
+            || crate::layer_norm::wants_large_smem(name)
+        {
             let max_dyn = limits.smem_per_block_optin.saturating_sub(k.static_smem);
             // SAFETY: f is a valid function handle; the value is within the device limit.
             let r = unsafe {

@@ -5,7 +5,8 @@
 //! 16 bytes, backward up to 2048 (f32) or 1024 (16-bit)); wider rows the loop kernels. The
 //! backward runs a persistent grid of at most [`BWD_MAX_BLOCKS_PER_SM`] blocks per SM, each
 //! writing one partial row of dw and db to the workspace, and the finalize kernel sums them
-//! in block order.
+//! in block order. With 16-byte access its rows kernels stage the next set's x and dy rows in
+//! shared memory (cp.async) while a set computes, opting in to more than the default 48 KB.
 
 use crate::config::{
     blocks_per_sm, choose_rows, rows_per_block, DeviceLimits, KernelAttrs, MAX_GRID,
@@ -99,6 +100,7 @@ struct LayerNormParams {
     tpr: i64,
     rpb: i64,
     vec: i64,
+    stage: i64,
     eps: f64,
     inv_cols: f64,
 }
@@ -115,22 +117,31 @@ struct FinalizeParams {
 }
 
 /// Backward grids hold at most this many blocks per SM (bounding the workspace). Fewer blocks
-/// write fewer partial rows for the finalize kernel to read (H100, bf16, 32768 x 4096, rows
-/// kernel + finalize: 0.352 ms with 2 blocks per SM, 0.377 with 4;
+/// write fewer partial rows for the finalize kernel to read (H100, bf16, 32768 x 4096, staged
+/// rows kernel + finalize: 0.309 ms with 2 blocks per SM, 0.336 with 4;
 /// bench/kernel_lab/layer_norm_sweep.py).
 pub const BWD_MAX_BLOCKS_PER_SM: u32 = 2;
 /// Block size of the loop kernels (`kLoopThreads`).
 const LOOP_THREADS: u32 = 512;
 /// Threads per block the forward rows kernels aim for: one row per block from 64 threads a row
-/// (a row's two reductions then wait for no other row's): H100, bf16, 128 M elements, time
-/// against a copy with 1 / 2 / 4 rows per block: hidden 2048 1.045x / 1.055x / 1.083x, 4096
-/// 1.060x / 1.108x / 1.189x; hidden 1024 (32 threads a row) 1.022x / 1.025x / 1.061x
+/// (a row's reduction then waits for no other row's): H100, bf16, 128 M elements, time
+/// against a copy with 1 / 2 / 4 rows per block: hidden 2048 1.023x / 1.027x / 1.063x, 4096
+/// 1.055x / 1.087x / 1.139x; hidden 1024 (32 threads a row) 1.013x / 1.012x / 1.017x
 /// (bench/kernel_lab/layer_norm_fwd_sweep.py; 256 threads, 1.088x-1.108x, before).
 const FWD_TARGET_BLOCK: u32 = 64;
-/// Threads per block the backward rows kernels aim for.
-const BWD_TARGET_BLOCK: u32 = 512;
-/// Shared memory the backward rows kernels may use to add their row groups.
+/// Threads per block the backward rows kernels aim for: H100, bf16, staged, against the
+/// three-pass floor, V = 2: hidden 4096 1 row per block 1.146x, 2 rows 1.150x; hidden 2048 2
+/// rows (256 threads) 1.146x, 4 rows 1.169x (bench/kernel_lab/layer_norm_sweep.py).
+const BWD_TARGET_BLOCK: u32 = 256;
+/// Shared memory the backward rows kernels may use to add their row groups when they do not
+/// stage rows (then they do not opt in to more than the default).
 const BWD_ROWS_SMEM_LIMIT: u64 = 48 * 1024;
+
+/// Dynamic shared memory of a staged backward rows block: two buffers of its groups' x and dy
+/// rows (`v * tpr` units of 16 bytes each).
+fn stage_bytes(rpb: u32, v: u32, tpr: u32) -> u64 {
+    4 * u64::from(rpb) * u64::from(v) * u64::from(tpr) * 16
+}
 
 /// (V, maximum threads per block) of the rows kernels: the launch bounds of
 /// kernels/layer_norm.cu (`RowsBounds`).
@@ -194,6 +205,12 @@ pub(crate) fn kernel_names() -> Vec<String> {
     out
 }
 
+/// Whether kernel `name` may take more than the default 48 KB of dynamic shared memory: the
+/// backward rows kernels with vector access, which stage rows there.
+pub(crate) fn wants_large_smem(name: &str) -> bool {
+    name.starts_with("graft_ln_bwd_rows_v")
+}
+
 /// The problem as the planner sees it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Problem {
@@ -217,6 +234,8 @@ pub(crate) struct Plan {
     pub smem: u32,
     pub tpr: u32,
     pub rpb: u32,
+    /// Backward rows kernels: the next x and dy rows staged in shared memory.
+    pub stage: bool,
 }
 
 /// The launch for `p`; `attrs(body)` gives the chosen kernel's compiled attributes.
@@ -232,29 +251,46 @@ pub(crate) fn plan(p: &Problem, lim: &DeviceLimits, attrs: &dyn Fn(Body) -> Kern
     let mut plan = match choose_rows(nunits, table, pref, None) {
         Some(s) => {
             let mut rpb = rows_per_block(s.tpr, target, s.max_threads, p.rows);
-            let smem = |rpb: u32| {
+            let partial_bytes = |rpb: u32| {
                 let units = u64::from(rpb - 1) * u64::from(s.v) * (16 / p.elem) * u64::from(s.tpr);
                 units * 2 * p.acc
             };
             let per_warp = if s.tpr < 32 { 32 / s.tpr } else { 1 };
-            let mut bytes = 0;
-            if p.backward && p.sums {
-                // Static and dynamic shared memory together within the default limit (these
-                // kernels do not opt in to more).
-                let body = Body::Rows { v: s.v, vec: p.vec };
-                let limit = BWD_ROWS_SMEM_LIMIT.saturating_sub(u64::from(attrs(body).static_smem));
-                while rpb > per_warp && smem(rpb) > limit {
-                    rpb -= per_warp;
+            let body = Body::Rows { v: s.v, vec: p.vec };
+            let static_smem = u64::from(attrs(body).static_smem);
+            // Staging (vector access) opts in to the device's shared memory; without it, static
+            // and dynamic shared memory stay within the default limit.
+            let optin = u64::from(lim.smem_per_block_optin).saturating_sub(static_smem);
+            let stage = p.backward && p.vec && stage_bytes(per_warp, s.v, s.tpr) <= optin;
+            let need = |rpb: u32| {
+                let partial = if p.backward && p.sums {
+                    partial_bytes(rpb)
+                } else {
+                    0
+                };
+                if stage {
+                    partial.max(stage_bytes(rpb, s.v, s.tpr))
+                } else {
+                    partial
                 }
-                bytes = smem(rpb);
+            };
+            let limit = if stage {
+                optin
+            } else {
+                BWD_ROWS_SMEM_LIMIT.saturating_sub(static_smem)
+            };
+            while rpb > per_warp && need(rpb) > limit {
+                rpb -= per_warp;
             }
+            let bytes = need(rpb);
             Plan {
-                body: Body::Rows { v: s.v, vec: p.vec },
+                body,
                 grid: p.rows.div_ceil(u64::from(rpb)).clamp(1, MAX_GRID) as u32,
                 block: s.tpr * rpb,
                 smem: bytes as u32,
                 tpr: s.tpr,
                 rpb,
+                stage,
             }
         }
         None => Plan {
@@ -264,6 +300,7 @@ pub(crate) fn plan(p: &Problem, lim: &DeviceLimits, attrs: &dyn Fn(Body) -> Kern
             smem: 0,
             tpr: LOOP_THREADS,
             rpb: 1,
+            stage: false,
         },
     };
     let per_sm = blocks_per_sm(lim, &attrs(plan.body), plan.block, u64::from(plan.smem));
@@ -452,6 +489,7 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<(), CudaError> {
         tpr: i64::from(pl.tpr),
         rpb: i64::from(pl.rpb),
         vec: i64::from(problem.vec),
+        stage: i64::from(pl.stage),
         inv_cols: 1.0 / a.cols as f64,
         ..LayerNormParams::default()
     };
@@ -513,7 +551,7 @@ mod tests {
 
     #[test]
     fn params_match_the_cuda_structs() {
-        assert_eq!(std::mem::size_of::<LayerNormParams>(), 16 * 8);
+        assert_eq!(std::mem::size_of::<LayerNormParams>(), 17 * 8);
         assert_eq!(std::mem::size_of::<FinalizeParams>(), 5 * 8);
     }
 
@@ -537,18 +575,37 @@ mod tests {
             let pl = plan(&problem(true, 2, 8192, cols), &lim, &attrs);
             assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
             assert!(pl.grid <= lim.sms * BWD_MAX_BLOCKS_PER_SM);
-            assert!(u64::from(pl.smem) <= BWD_ROWS_SMEM_LIMIT);
+            assert!(pl.stage, "{pl:?}");
+            if let Body::Rows { v, .. } = pl.body {
+                assert!(u64::from(pl.smem) >= stage_bytes(pl.rpb, v, pl.tpr));
+            }
         }
-        // Every hidden size: the block's shared memory, static and dynamic, within the default
-        // 48 KiB (hidden 2048 once asked for 48 KiB of dynamic memory on top of the static).
+        // Every hidden size: the block's shared memory, static and dynamic, within the device's
+        // opt-in limit when rows are staged, else within the default 48 KiB (hidden 2048 once
+        // asked for 48 KiB of dynamic memory on top of the static).
         for cols in (64..=8192).step_by(64) {
-            for elem in [2, 4] {
-                let pl = plan(&problem(true, elem, 8192, cols), &lim, &attrs);
+            let cases = [2, 4, 8].into_iter().flat_map(|elem| {
+                [(false, false), (false, true), (true, false), (true, true)]
+                    .map(|(backward, vec)| (elem, backward, vec))
+            });
+            for (elem, backward, vec) in cases {
+                let problem = Problem {
+                    vec,
+                    ..problem(backward, elem, 8192, cols)
+                };
+                let pl = plan(&problem, &lim, &attrs);
                 let total = u64::from(pl.smem) + u64::from(attrs(pl.body).static_smem);
-                assert!(
-                    total <= BWD_ROWS_SMEM_LIMIT,
-                    "cols {cols} elem {elem}: {pl:?}"
-                );
+                let limit = if pl.stage {
+                    u64::from(lim.smem_per_block_optin)
+                } else {
+                    BWD_ROWS_SMEM_LIMIT
+                };
+                assert!(total <= limit, "cols {cols} elem {elem}: {pl:?}");
+                let rows = matches!(pl.body, Body::Rows { .. });
+                assert_eq!(pl.stage, backward && vec && rows, "{pl:?}");
+                if let (true, Body::Rows { v, .. }) = (pl.stage, pl.body) {
+                    assert!(u64::from(pl.smem) >= stage_bytes(pl.rpb, v, pl.tpr));
+                }
                 assert!(pl.block <= attrs(pl.body).max_threads);
             }
         }
