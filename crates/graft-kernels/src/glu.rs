@@ -371,26 +371,6 @@ where
 /// ([`Lanes::load_pair`], interleaved bf16 on AVX-512 with AVX512-BF16).
 const UNROLL: usize = 4;
 
-/// How far ahead of the element being computed the inputs are prefetched, in bytes.
-const PREFETCH_BYTES: usize = 4096;
-
-/// Prefetches the cache lines `PREFETCH_BYTES` past element `at` of each input that the block
-/// of `UNROLL` vectors starting at `at` will need that far ahead.
-#[inline(always)]
-fn prefetch_ahead<S, T>(s: S, inputs: &[&[T]], at: usize)
-where
-    S: Simd<T::Acc>,
-    T: Lanes<S>,
-{
-    let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
-    let bytes = UNROLL * S::LANES * std::mem::size_of::<T>();
-    for input in inputs {
-        for line in (0..bytes).step_by(64) {
-            s.prefetch_at(input, at + ahead + line / std::mem::size_of::<T>());
-        }
-    }
-}
-
 /// An activation as a type, so that each loop below is compiled once per activation with the
 /// `match` on it resolved at compile time (closures would not inherit the entry points' target
 /// features, and their intrinsics would become calls).
@@ -452,7 +432,6 @@ where
     let split = y.len() / step * step;
     let (whole, rest) = y.split_at_mut(split);
     for (k, y) in whole.chunks_exact_mut(step).enumerate() {
-        prefetch_ahead(s, &[gate, up], k * step);
         let (gate, up) = (&gate[k * step..][..step], &up[k * step..][..step]);
         let mut out = [s.splat(T::Acc::ZERO); UNROLL];
         for j in (0..UNROLL).step_by(2) {
@@ -547,7 +526,6 @@ fn backward_with<S, T, K, const MATH: u8>(
         .zip(du_whole.chunks_exact_mut(step));
     for (k, (dg, du)) in wholes.enumerate() {
         let at = k * step;
-        prefetch_ahead(s, &[gate, up, dy], at);
         let (gate, up, dy) = (&gate[at..][..step], &up[at..][..step], &dy[at..][..step]);
         let zero = s.splat(T::Acc::ZERO);
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);

@@ -41,12 +41,6 @@ pub(crate) trait Simd<A: Acc>: Copy {
     fn prefetch<E>(self, data: &[E]) {
         let _ = data;
     }
-    /// [`Simd::prefetch`] of the cache line holding `data[i]`, where `i` may lie past the end
-    /// of `data` (within the same allocation or not: a prefetch never faults).
-    #[inline(always)]
-    fn prefetch_at<E>(self, data: &[E], i: usize) {
-        let _ = (data, i);
-    }
 }
 
 /// Loading and storing element type `Self` as vectors of `Self::Acc` with the token `S`.

@@ -502,13 +502,6 @@ impl Simd<f32> for Avx2 {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
     }
-    #[inline(always)]
-    fn prefetch_at<E>(self, data: &[E], i: usize) {
-        // `wrapping_add`: the address is only computed, never dereferenced.
-        let at = data.as_ptr().wrapping_add(i);
-        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) }
-    }
 }
 
 impl SimdF32 for Avx2 {
@@ -603,13 +596,6 @@ impl Simd<f64> for Avx2 {
     fn prefetch<E>(self, data: &[E]) {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
-    }
-    #[inline(always)]
-    fn prefetch_at<E>(self, data: &[E], i: usize) {
-        // `wrapping_add`: the address is only computed, never dereferenced.
-        let at = data.as_ptr().wrapping_add(i);
-        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) }
     }
 }
 
@@ -783,13 +769,6 @@ impl Simd<f32> for Avx512 {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
     }
-    #[inline(always)]
-    fn prefetch_at<E>(self, data: &[E], i: usize) {
-        // `wrapping_add`: the address is only computed, never dereferenced.
-        let at = data.as_ptr().wrapping_add(i);
-        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) }
-    }
 }
 
 impl SimdF32 for Avx512 {
@@ -896,13 +875,6 @@ impl Simd<f64> for Avx512 {
     fn prefetch<E>(self, data: &[E]) {
         // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().cast()) }
-    }
-    #[inline(always)]
-    fn prefetch_at<E>(self, data: &[E], i: usize) {
-        // `wrapping_add`: the address is only computed, never dereferenced.
-        let at = data.as_ptr().wrapping_add(i);
-        // SAFETY: the token proves SSE; a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) }
     }
 }
 
