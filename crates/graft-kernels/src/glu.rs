@@ -115,6 +115,11 @@ pub(crate) trait ActLanes<S: Simd<Self>>: Acc {
     /// The activation and its derivative at every lane of `x`, with the accuracy `MATH` (one of
     /// the [`math`] constants; see [`math_for`]).
     fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V);
+    /// The activation alone (the forward), as accurate as [`ActLanes::act`]'s.
+    #[inline(always)]
+    fn value<const MATH: u8>(s: S, act: Activation, x: S::V) -> S::V {
+        Self::act::<MATH>(s, act, x).0
+    }
 }
 
 /// How accurate [`ActLanes::act`]'s `f32` activations must be, by the type they are rounded to.
@@ -149,6 +154,15 @@ impl<S: SimdF32> ActLanes<S> for f32 {
     fn act<const MATH: u8>(s: S, act: Activation, x: S::V) -> (S::V, S::V) {
         let one = s.splat(1.0);
         match act {
+            Activation::Silu if MATH != math::FULL => {
+                // sigmoid(x) = q for x >= 0 and e q for x < 0, with e = e^-|x|, q = 1 / (1 + e);
+                // act' = sg + f (1 - sg).
+                let e = vmath::exp_neg_abs_short(s, x);
+                let q = s.div(one, s.add(one, e));
+                let sg = s.mul_where_lt(x, s.splat(0.0), q, e);
+                let f = s.mul(x, sg);
+                (f, s.mul_add(f, s.sub(one, sg), sg))
+            }
             Activation::Silu => {
                 let sg = vmath::sigmoid(s, x, MATH != math::FULL);
                 let df = s.mul(sg, s.mul_add(x, s.sub(one, sg), one));
@@ -175,6 +189,19 @@ impl<S: SimdF32> ActLanes<S> for f32 {
                 let pdf = s.mul(s.splat(INV_SQRT_2PI as f32), g);
                 (s.mul(x, cdf), s.mul_add(x, pdf, cdf))
             }
+        }
+    }
+
+    #[inline(always)]
+    fn value<const MATH: u8>(s: S, act: Activation, x: S::V) -> S::V {
+        match act {
+            Activation::Silu if MATH != math::FULL => {
+                // x / (1 + e), times e for x < 0 (e = e^-|x|): no separate sigmoid.
+                let one = s.splat(1.0);
+                let e = vmath::exp_neg_abs_short(s, x);
+                s.mul_where_lt(x, s.splat(0.0), s.div(x, s.add(one, e)), e)
+            }
+            _ => Self::act::<MATH>(s, act, x).0,
         }
     }
 }
@@ -340,7 +367,8 @@ where
 }
 
 /// Vectors processed side by side: the activations are long dependency chains, and independent
-/// ones let the core overlap them.
+/// ones let the core overlap them. Even: operands are loaded and stored in pairs
+/// ([`Lanes::load_pair`], interleaved bf16 on AVX-512 with AVX512-BF16).
 const UNROLL: usize = 4;
 
 /// An activation as a type, so that each loop below is compiled once per activation with the
@@ -406,19 +434,23 @@ where
     for (k, y) in whole.chunks_exact_mut(step).enumerate() {
         let (gate, up) = (&gate[k * step..][..step], &up[k * step..][..step]);
         let mut out = [s.splat(T::Acc::ZERO); UNROLL];
-        for (j, out) in out.iter_mut().enumerate() {
-            let at = j * lanes..(j + 1) * lanes;
-            let (f, _) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &gate[at.clone()]));
-            *out = s.mul(f, T::load(s, &up[at]));
+        for j in (0..UNROLL).step_by(2) {
+            let at = j * lanes;
+            let (g0, g1) = T::load_pair(s, &gate[at..]);
+            let (u0, u1) = T::load_pair(s, &up[at..]);
+            let f0 = T::Acc::value::<MATH>(s, K::ACT, g0);
+            let f1 = T::Acc::value::<MATH>(s, K::ACT, g1);
+            out[j] = s.mul(f0, u0);
+            out[j + 1] = s.mul(f1, u1);
         }
-        for (y, v) in y.chunks_exact_mut(lanes).zip(out) {
-            T::store(s, v, y);
+        for j in (0..UNROLL).step_by(2) {
+            T::store_pair(s, (out[j], out[j + 1]), &mut y[j * lanes..]);
         }
     }
     let (gate, up) = (&gate[split..], &up[split..]);
     for (k, y) in rest.chunks_mut(lanes).enumerate() {
         let (at, n) = (k * lanes, y.len());
-        let (f, _) = T::Acc::act::<MATH>(s, K::ACT, load_n(s, &gate[at..], n));
+        let f = T::Acc::value::<MATH>(s, K::ACT, load_n(s, &gate[at..], n));
         store_n(s, s.mul(f, load_n(s, &up[at..], n)), y);
     }
 }
@@ -497,17 +529,21 @@ fn backward_with<S, T, K, const MATH: u8>(
         let (gate, up, dy) = (&gate[at..][..step], &up[at..][..step], &dy[at..][..step]);
         let zero = s.splat(T::Acc::ZERO);
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
-        for j in 0..UNROLL {
-            let at = j * lanes..(j + 1) * lanes;
-            let (f, df) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &gate[at.clone()]));
-            let d = T::load(s, &dy[at.clone()]);
-            dg_v[j] = s.mul(s.mul(d, T::load(s, &up[at])), df);
-            du_v[j] = s.mul(d, f);
+        for j in (0..UNROLL).step_by(2) {
+            let at = j * lanes;
+            let g = T::load_pair(s, &gate[at..]);
+            let u = T::load_pair(s, &up[at..]);
+            let d = T::load_pair(s, &dy[at..]);
+            for (i, (g, u, d)) in [(g.0, u.0, d.0), (g.1, u.1, d.1)].into_iter().enumerate() {
+                let (f, df) = T::Acc::act::<MATH>(s, K::ACT, g);
+                dg_v[j + i] = s.mul(s.mul(d, u), df);
+                du_v[j + i] = s.mul(d, f);
+            }
         }
-        for j in 0..UNROLL {
-            let at = j * lanes..(j + 1) * lanes;
-            T::store(s, dg_v[j], &mut dg[at.clone()]);
-            T::store(s, du_v[j], &mut du[at]);
+        for j in (0..UNROLL).step_by(2) {
+            let at = j * lanes;
+            T::store_pair(s, (dg_v[j], dg_v[j + 1]), &mut dg[at..]);
+            T::store_pair(s, (du_v[j], du_v[j + 1]), &mut du[at..]);
         }
     }
     let (gate, up, dy) = (&gate[split..], &up[split..], &dy[split..]);
@@ -582,17 +618,24 @@ where
         let dy = &dy[k * step..][..step];
         let zero = s.splat(T::Acc::ZERO);
         let (mut dg_v, mut du_v) = ([zero; UNROLL], [zero; UNROLL]);
-        for j in 0..UNROLL {
-            let at = j * lanes..(j + 1) * lanes;
-            let (f, df) = T::Acc::act::<MATH>(s, K::ACT, T::load(s, &g[at.clone()]));
-            let d = T::load(s, &dy[at.clone()]);
-            dg_v[j] = s.mul(s.mul(d, T::load(s, &u[at])), df);
-            du_v[j] = s.mul(d, f);
+        for j in (0..UNROLL).step_by(2) {
+            let at = j * lanes;
+            let gv = T::load_pair(s, &g[at..]);
+            let uv = T::load_pair(s, &u[at..]);
+            let d = T::load_pair(s, &dy[at..]);
+            for (i, (g, u, d)) in [(gv.0, uv.0, d.0), (gv.1, uv.1, d.1)]
+                .into_iter()
+                .enumerate()
+            {
+                let (f, df) = T::Acc::act::<MATH>(s, K::ACT, g);
+                dg_v[j + i] = s.mul(s.mul(d, u), df);
+                du_v[j + i] = s.mul(d, f);
+            }
         }
-        for j in 0..UNROLL {
-            let at = j * lanes..(j + 1) * lanes;
-            T::store(s, dg_v[j], &mut g[at.clone()]);
-            T::store(s, du_v[j], &mut u[at]);
+        for j in (0..UNROLL).step_by(2) {
+            let at = j * lanes;
+            T::store_pair(s, (dg_v[j], dg_v[j + 1]), &mut g[at..]);
+            T::store_pair(s, (du_v[j], du_v[j + 1]), &mut u[at..]);
         }
     }
     let dy = &dy[split..];

@@ -116,7 +116,15 @@ pub(crate) fn exp<S: SimdF32>(s: S, x: S::V) -> S::V {
 pub(crate) fn exp2_short<S: SimdF32>(s: S, t: S::V) -> S::V {
     // 2^-150 rounds to 0: clamping there changes no result and keeps `scale`'s exponent in
     // range. `max` keeps a NaN in its second operand.
-    let t = s.max(s.splat(-150.0), t);
+    exp2_short_clamped(s, s.max(s.splat(-EXP2_MIN), t))
+}
+
+/// Below `2^-EXP2_MIN` (half the smallest subnormal) `2^t` rounds to 0 in `f32`.
+const EXP2_MIN: f32 = 150.0;
+
+/// [`exp2_short`] of `t` already clamped to `[-EXP2_MIN, 0]` (or NaN).
+#[inline(always)]
+fn exp2_short_clamped<S: SimdF32>(s: S, t: S::V) -> S::V {
     let n = s.round(t);
     let f = s.sub(t, n);
     let p = s.fma(horner(s, &EXP2_SHORT, f), f, s.splat(1.0));
@@ -132,12 +140,19 @@ pub(crate) fn exp2_short<S: SimdF32>(s: S, t: S::V) -> S::V {
 pub(crate) fn sigmoid<S: SimdF32>(s: S, x: S::V, short: bool) -> S::V {
     let (zero, one) = (s.splat(0.0), s.splat(1.0));
     let e = if short {
-        // -|x| log2(e) in one multiplication: the same value as rounding -|x| times log2(e).
-        exp2_short(s, s.mul(s.abs(x), s.splat(-LOG2_E)))
+        exp_neg_abs_short(s, x)
     } else {
         exp(s, s.sub(zero, s.abs(x)))
     };
     s.div(s.select_lt(x, zero, e, one), s.add(one, e))
+}
+
+/// `e^-|x|`, lane-wise, as [`exp2_short`] (for 16-bit results): `-|x| log2(e)` rounded once
+/// and clamped in [`SimdF32::neg_abs_scaled_min`] (two instructions on AVX-512 with
+/// AVX512-DQ instead of three).
+#[inline(always)]
+pub(crate) fn exp_neg_abs_short<S: SimdF32>(s: S, x: S::V) -> S::V {
+    exp2_short_clamped(s, s.neg_abs_scaled_min(x, LOG2_E, EXP2_MIN))
 }
 
 /// `(Phi(x), e^(-x^2/2))`, lane-wise: the standard normal CDF and the unnormalised density.

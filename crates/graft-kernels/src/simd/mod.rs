@@ -61,6 +61,21 @@ where
     /// Narrows `v` into `dst[..S::LANES]` (rounding as [`Float::from_acc`]). Panics if `dst` is
     /// shorter.
     fn store(s: S, v: S::V, dst: &mut [Self]);
+    /// Widens `src[..2 * S::LANES]` into two vectors whose lanes hold those elements in an
+    /// order of the token's choosing, which [`Lanes::store_pair`] undoes: for elementwise
+    /// kernels, where every operand is loaded the same way and lane order does not matter.
+    /// By default the two halves in order. Panics if `src` is shorter.
+    #[inline(always)]
+    fn load_pair(s: S, src: &[Self]) -> (S::V, S::V) {
+        (Self::load(s, src), Self::load(s, &src[S::LANES..]))
+    }
+    /// Narrows two vectors in [`Lanes::load_pair`]'s lane order into `dst[..2 * S::LANES]`
+    /// (rounding as [`Lanes::store`]). Panics if `dst` is shorter.
+    #[inline(always)]
+    fn store_pair(s: S, v: (S::V, S::V), dst: &mut [Self]) {
+        Self::store(s, v.0, dst);
+        Self::store(s, v.1, &mut dst[S::LANES..]);
+    }
     /// `v` rounded to `Self` and widened back: what `.to(dtype)` then arithmetic in `Self::Acc`
     /// sees. The accumulation types override it with the identity.
     #[inline(always)]
@@ -125,4 +140,20 @@ pub(crate) trait SimdF32: Simd<f32> {
     fn fma(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// Lane-wise `if a < b { x } else { y }`.
     fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
+    /// Lane-wise `if a < b { x * y } else { x }` (AVX-512: one masked multiplication).
+    #[inline(always)]
+    fn mul_where_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V {
+        self.select_lt(a, b, self.mul(x, y), x)
+    }
+    /// Lane-wise `max(-limit, -|v| * scale)` for positive `scale` and `limit`, which is
+    /// `-min(|v * scale|, limit)`; NaN stays NaN (AVX-512 with AVX512-DQ: a multiplication and
+    /// one `vrangeps`).
+    #[inline(always)]
+    fn neg_abs_scaled_min(self, v: Self::V, scale: f32, limit: f32) -> Self::V {
+        // `max` keeps a NaN in its second operand.
+        self.max(
+            self.splat(-limit),
+            self.mul(self.abs(v), self.splat(-scale)),
+        )
+    }
 }

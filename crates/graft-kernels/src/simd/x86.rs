@@ -25,9 +25,9 @@ pub(crate) struct Avx2 {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Avx512 {
     _detected: (),
-    /// Set only inside entry points compiled with AVX512-BF16 and AVX512-DQ (after detecting
-    /// both): bf16 stores then use `vcvtneps2bf16`. Elsewhere `false`, and that branch is never
-    /// taken.
+    /// Set only inside entry points compiled with AVX512-BF16, AVX512-DQ and AVX512-BW (after
+    /// detecting them): bf16 stores then use `vcvtneps2bf16`, and bf16 pairs load and store
+    /// interleaved. Elsewhere `false`, and those branches are never taken.
     bf16: bool,
 }
 
@@ -58,11 +58,14 @@ impl Avx512 {
         })
     }
 
-    /// Whether this CPU also has AVX512-BF16 (`vcvtneps2bf16`: f32 to bf16 in one instruction)
-    /// and AVX512-DQ (`vfpclassps`, which finds the subnormal lanes that instruction flushes;
-    /// every CPU with AVX512-BF16 has it).
+    /// Whether this CPU also has AVX512-BF16 (`vcvtneps2bf16`: f32 to bf16 in one instruction),
+    /// AVX512-DQ (`vfpclassps`, which finds the subnormal lanes that instruction flushes) and
+    /// AVX512-BW (`vpermw`, which interleaves bf16 pairs again: [`Lanes::store_pair`]); every
+    /// CPU with AVX512-BF16 has the other two.
     fn has_bf16() -> bool {
-        is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512dq")
+        is_x86_feature_detected!("avx512bf16")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512bw")
     }
 }
 
@@ -355,7 +358,7 @@ impl Avx512 {
         Avx512: Simd<T::Acc>,
         T::Acc: ActLanes<Avx512>,
     {
-        #[target_feature(enable = "avx512f,avx512bf16,avx512dq,avx2,fma,f16c")]
+        #[target_feature(enable = "avx512f,avx512bf16,avx512dq,avx512bw,avx2,fma,f16c")]
         unsafe fn run<T>(act: Activation, gate: &[T], up: &[T], y: &mut [T])
         where
             T: Lanes<Avx512>,
@@ -370,7 +373,7 @@ impl Avx512 {
         }
         if Self::has_bf16() {
             // SAFETY: `self` proves AVX-512F, AVX2, FMA and F16C, and detection found
-            // AVX512-BF16 and AVX512-DQ.
+            // AVX512-BF16, AVX512-DQ and AVX512-BW.
             unsafe { run(act, gate, up, y) }
         } else {
             self.glu_forward(act, gate, up, y)
@@ -391,7 +394,7 @@ impl Avx512 {
         Avx512: Simd<T::Acc>,
         T::Acc: ActLanes<Avx512>,
     {
-        #[target_feature(enable = "avx512f,avx512bf16,avx512dq,avx2,fma,f16c")]
+        #[target_feature(enable = "avx512f,avx512bf16,avx512dq,avx512bw,avx2,fma,f16c")]
         unsafe fn run<T>(
             act: Activation,
             gate: &[T],
@@ -412,7 +415,7 @@ impl Avx512 {
         }
         if Self::has_bf16() {
             // SAFETY: `self` proves AVX-512F, AVX2, FMA and F16C, and detection found
-            // AVX512-BF16 and AVX512-DQ.
+            // AVX512-BF16, AVX512-DQ and AVX512-BW.
             unsafe { run(act, gate, up, dy, dgate, dup) }
         } else {
             self.glu_backward(act, gate, up, dy, dgate, dup)
@@ -425,7 +428,7 @@ impl Avx512 {
         Avx512: Simd<T::Acc>,
         T::Acc: ActLanes<Avx512>,
     {
-        #[target_feature(enable = "avx512f,avx512bf16,avx512dq,avx2,fma,f16c")]
+        #[target_feature(enable = "avx512f,avx512bf16,avx512dq,avx512bw,avx2,fma,f16c")]
         unsafe fn run<T>(act: Activation, gate: &mut [T], up: &mut [T], dy: &[T])
         where
             T: Lanes<Avx512>,
@@ -440,7 +443,7 @@ impl Avx512 {
         }
         if Self::has_bf16() {
             // SAFETY: `self` proves AVX-512F, AVX2, FMA and F16C, and detection found
-            // AVX512-BF16 and AVX512-DQ.
+            // AVX512-BF16, AVX512-DQ and AVX512-BW.
             unsafe { run(act, gate, up, dy) }
         } else {
             self.glu_backward_in_place(act, gate, up, dy)
@@ -804,6 +807,29 @@ impl SimdF32 for Avx512 {
         // SAFETY: the token proves AVX-512F.
         unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), y, x) }
     }
+    #[inline(always)]
+    fn mul_where_lt(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+        // SAFETY: the token proves AVX-512F.
+        unsafe { _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), x, y) }
+    }
+    #[inline(always)]
+    fn neg_abs_scaled_min(self, v: __m512, scale: f32, limit: f32) -> __m512 {
+        if self.bf16 {
+            // SAFETY: `self.bf16` is only set where detection found AVX512-DQ (and the entry
+            // point enables it). `vrangeps` with imm8 0b11_10: the smaller magnitude of the two
+            // operands, sign bit set; a NaN operand gives a NaN.
+            unsafe {
+                let t = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+                _mm512_range_ps::<0b1110>(t, _mm512_set1_ps(limit))
+            }
+        } else {
+            // SAFETY: the token proves AVX-512F. `vmaxps` keeps a NaN in its second operand.
+            unsafe {
+                let t = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(-scale));
+                _mm512_max_ps(_mm512_set1_ps(-limit), t)
+            }
+        }
+    }
 }
 
 impl Simd<f64> for Avx512 {
@@ -969,7 +995,74 @@ impl Lanes<Avx512> for bf16 {
     fn store(s: Avx512, v: __m512, dst: &mut [bf16]) {
         Avx2::from(s).put(&mut dst[..16], s.to_bf16(v))
     }
+    /// With AVX512-BF16 (and so AVX512-BW): 32 bf16 in one load, the even elements shifted into
+    /// f32 lanes and the odd ones masked in place (one instruction a vector instead of a
+    /// widening and a shift).
+    #[inline(always)]
+    fn load_pair(s: Avx512, src: &[bf16]) -> (__m512, __m512) {
+        if !s.bf16 {
+            return (Self::load(s, src), Self::load(s, &src[16..]));
+        }
+        let src = &src[..32];
+        // SAFETY: the token proves AVX-512F; `src` spans the 64 bytes read. A bf16 is the high
+        // half of the f32 of the same value: element 2i is the low half of dword i, 2i + 1 the
+        // high half.
+        unsafe {
+            let bits = _mm512_loadu_si512(src.as_ptr().cast());
+            let even = _mm512_slli_epi32::<16>(bits);
+            let odd = _mm512_and_si512(bits, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+            (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+        }
+    }
+    /// [`Lanes::load_pair`]'s lanes back in order: both vectors rounded into one register by
+    /// `vcvtne2ps2bf16` (even elements in the low 16 words, odd in the high) and interleaved by
+    /// one word permutation (`vpermw`). A vector with a subnormal lane is rounded in integer
+    /// arithmetic instead, as [`Avx512::to_bf16`] does.
+    #[inline(always)]
+    fn store_pair(s: Avx512, v: (__m512, __m512), dst: &mut [bf16]) {
+        if !s.bf16 {
+            Self::store(s, v.0, dst);
+            Self::store(s, v.1, &mut dst[16..]);
+            return;
+        }
+        let (even, odd) = v;
+        // SAFETY: `s.bf16` is only set inside entry points compiled with (and after detecting)
+        // AVX512-BF16, AVX512-DQ and AVX512-BW (`Avx512::has_bf16`). `vfpclassps` with 0x20
+        // flags the (nonzero) subnormal lanes, which `vcvtne2ps2bf16` would flush; otherwise it
+        // rounds to nearest even and quiets NaNs as the integer path does. `INTERLEAVE` is 64
+        // bytes.
+        let bits = unsafe {
+            let subnormal =
+                _mm512_fpclass_ps_mask::<0x20>(even) | _mm512_fpclass_ps_mask::<0x20>(odd);
+            // Words 0..16: the even elements; 16..32: the odd ones.
+            let packed = if subnormal == 0 {
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even))
+            } else {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(s.to_bf16_integer(even)),
+                    s.to_bf16_integer(odd),
+                )
+            };
+            let order = _mm512_loadu_si512(INTERLEAVE.as_ptr().cast());
+            _mm512_permutexvar_epi16(order, packed)
+        };
+        s.put(&mut dst[..32], bits)
+    }
 }
+
+/// The word permutation that interleaves the even elements (words 0..16) and the odd ones
+/// (words 16..32) of [`Lanes::store_pair`]: word `2i` takes word `i`, word `2i + 1` word
+/// `16 + i`.
+const INTERLEAVE: [u16; 32] = {
+    let mut order = [0u16; 32];
+    let mut i = 0;
+    while i < 16 {
+        order[2 * i] = i as u16;
+        order[2 * i + 1] = 16 + i as u16;
+        i += 1;
+    }
+    order
+};
 
 impl Lanes<Avx512> for f16 {
     #[inline(always)]
