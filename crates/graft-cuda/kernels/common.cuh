@@ -157,6 +157,62 @@ __device__ __forceinline__ void copy_async_wait_all_but_one() {
 #endif
 }
 
+// L2 eviction priorities for 16-byte accesses (sm_80+; plain accesses where the hints do not
+// exist, e.g. the CPU emulator): data read now and again soon stays (`evict_last`); data read
+// or written for the last time goes first (`evict_first`); `evict_normal` is the default. A
+// policy is made once per thread.
+__device__ __forceinline__ unsigned long long l2_evict_last_policy() {
+  unsigned long long policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
+
+__device__ __forceinline__ unsigned long long l2_evict_normal_policy() {
+  unsigned long long policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
+
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+  unsigned long long policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
+
+template <typename T>
+__device__ __forceinline__ Pack<T> load_pack_hinted(const T* p, unsigned long long policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  Pack<T> out;
+  unsigned* r = reinterpret_cast<unsigned*>(&out);
+  asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "l"(p), "l"(policy));
+  return out;
+#else
+  (void)policy;
+  return load_pack(p);
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack_hinted(T* p, const Pack<T>& v,
+                                                  unsigned long long policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned* r = reinterpret_cast<const unsigned*>(&v);
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(policy));
+#else
+  (void)policy;
+  store_pack(p, v);
+#endif
+}
+
 // Units: 16 bytes of a row's element type (N = 16 / sizeof(T) elements), widened to A.
 
 template <typename T>
