@@ -160,7 +160,11 @@ __device__ __forceinline__ void copy_async_wait_all_but_one() {
 // L2 eviction priorities for 16-byte accesses (sm_80+; plain accesses where the hints do not
 // exist, e.g. the CPU emulator): data read now and again soon stays (`evict_last`); data read
 // or written for the last time goes first (`evict_first`); `evict_normal` is the default. A
-// policy is made once per thread.
+// policy is made once per thread. The hinted load and store carry no memory clobber, so that
+// the compiler may still batch a loop's loads ahead of its stores; the load may then move
+// across other memory accesses and barriers too. Use them only on data no other thread writes
+// meanwhile, where a thread reads each address before it writes it (the data dependence keeps
+// that order).
 __device__ __forceinline__ unsigned long long l2_evict_last_policy() {
   unsigned long long policy = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
