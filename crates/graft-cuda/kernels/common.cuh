@@ -165,29 +165,21 @@ __device__ __forceinline__ void copy_async_wait_all_but_one() {
 // across other memory accesses and barriers too. Use them only on data no other thread writes
 // meanwhile, where a thread reads each address before it writes it (the data dependence keeps
 // that order).
-__device__ __forceinline__ unsigned long long l2_evict_last_policy() {
-  unsigned long long policy = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#define GRAFT_L2_POLICY(NAME, PRIORITY)                                               \
+  __device__ __forceinline__ unsigned long long NAME() {                               \
+    unsigned long long policy;                                                         \
+    asm("createpolicy.fractional.L2::" PRIORITY ".b64 %0, 1.0;" : "=l"(policy));       \
+    return policy;                                                                     \
+  }
+#else
+#define GRAFT_L2_POLICY(NAME, PRIORITY) \
+  __device__ __forceinline__ unsigned long long NAME() { return 0; }
 #endif
-  return policy;
-}
-
-__device__ __forceinline__ unsigned long long l2_evict_normal_policy() {
-  unsigned long long policy = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-#endif
-  return policy;
-}
-
-__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-  unsigned long long policy = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
-  return policy;
-}
+GRAFT_L2_POLICY(l2_evict_last_policy, "evict_last")
+GRAFT_L2_POLICY(l2_evict_normal_policy, "evict_normal")
+GRAFT_L2_POLICY(l2_evict_first_policy, "evict_first")
+#undef GRAFT_L2_POLICY
 
 template <typename T>
 __device__ __forceinline__ Pack<T> load_pack_hinted(const T* p, unsigned long long policy) {
