@@ -368,6 +368,75 @@ fn f16_outputs_are_within_an_ulp() {
 /// instruction flushes those) and fall back to integer rounding then. AVX-512 and AVX2 (integer
 /// rounding) compute the same `f32` values, so their outputs agree bit for bit; every output is
 /// within an ulp of float64 (subnormal ones in ulps of the subnormal spacing).
+/// One ISA's bf16 outputs: `(isa, y, dgate, dup)`.
+type Bf16Outputs = (Isa, Vec<bf16>, Vec<bf16>, Vec<bf16>);
+
+/// bf16 forward and backward on every ISA: each output within an ulp of float64 (the gate's
+/// gradient against the size of its derivative's terms), and AVX-512 and AVX2 bit for bit
+/// (`nan_as_zero`: NaN outputs compared as NaN, whatever their payload). Returns each ISA's
+/// `(y, dgate, dup)` for the caller's own checks; `what` names the case in messages.
+fn bf16_on_every_isa(
+    act: Activation,
+    gate: &[bf16],
+    up: &[bf16],
+    dy: &[bf16],
+    nan_as_zero: bool,
+    what: &str,
+) -> Vec<Bf16Outputs> {
+    let n = gate.len();
+    let bits = |v: &[bf16]| {
+        v.iter()
+            .map(|x| {
+                if nan_as_zero && x.is_nan() {
+                    0
+                } else {
+                    x.to_bits()
+                }
+            })
+            .collect::<Vec<u16>>()
+    };
+    let mut x86: Option<Vec<Vec<u16>>> = None;
+    let mut out = Vec::new();
+    for isa in Isa::available() {
+        let (mut y, mut dg, mut du) = (
+            poisoned::<bf16>(n),
+            poisoned::<bf16>(n),
+            poisoned::<bf16>(n),
+        );
+        with_isa(isa, || {
+            glu::forward(act, gate, up, &mut y, &Serial);
+            glu::backward(act, gate, up, dy, &mut dg, &mut du, &Serial);
+        });
+        for i in 0..n {
+            let (x, u, d) = (gate[i].to_f64(), up[i].to_f64(), dy[i].to_f64());
+            let (f, df) = act_ref(act, x);
+            let terms = if x.is_finite() {
+                derivative_terms(act, x)
+            } else {
+                0.0
+            };
+            let ctx = format!("{isa:?} {act:?} {what} i={i} gate {x} up {u} dy {d}");
+            assert!(ulps(y[i], f * u, 0.0) <= 1.0, "y: {} ({ctx})", y[i]);
+            assert!(ulps(du[i], f * d, 0.0) <= 1.0, "dup: {} ({ctx})", du[i]);
+            let floor = (terms * u * d).abs();
+            assert!(
+                ulps(dg[i], df * u * d, floor) <= 1.0,
+                "dgate: {} ({ctx})",
+                dg[i]
+            );
+        }
+        if matches!(isa, Isa::Avx512 | Isa::Avx2) {
+            let got = vec![bits(&y), bits(&dg), bits(&du)];
+            match &x86 {
+                None => x86 = Some(got),
+                Some(first) => assert!(*first == got, "{act:?} {what}: AVX-512 and AVX2 differ"),
+            }
+        }
+        out.push((isa, y, dg, du));
+    }
+    out
+}
+
 #[test]
 fn bf16_outputs_round_once() {
     let n = 16 * 40 + 7;
@@ -383,45 +452,9 @@ fn bf16_outputs_round_once() {
     gate[5 * 16] = bf16::NAN;
     gate[5 * 16 + 1] = bf16::INFINITY;
     gate[5 * 16 + 2] = bf16::NEG_INFINITY;
-    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
     for act in ACTS {
-        let mut x86: Option<Vec<Vec<u16>>> = None;
-        for isa in Isa::available() {
-            let (mut y, mut dg, mut du) = (
-                poisoned::<bf16>(n),
-                poisoned::<bf16>(n),
-                poisoned::<bf16>(n),
-            );
-            with_isa(isa, || {
-                glu::forward(act, &gate, &up, &mut y, &Serial);
-                glu::backward(act, &gate, &up, &dy, &mut dg, &mut du, &Serial);
-            });
-            for i in 0..n {
-                let (x, u, d) = (gate[i].to_f64(), up[i].to_f64(), dy[i].to_f64());
-                let (f, df) = act_ref(act, x);
-                let terms = if x.is_finite() {
-                    derivative_terms(act, x)
-                } else {
-                    0.0
-                };
-                let ctx = format!("{isa:?} {act:?} gate {x} up {u} dy {d}");
-                assert!(ulps(y[i], f * u, 0.0) <= 1.0, "y: {} ({ctx})", y[i]);
-                assert!(ulps(du[i], f * d, 0.0) <= 1.0, "dup: {} ({ctx})", du[i]);
-                let floor = (terms * u * d).abs();
-                assert!(
-                    ulps(dg[i], df * u * d, floor) <= 1.0,
-                    "dgate: {} ({ctx})",
-                    dg[i]
-                );
-            }
+        for (_, y, _, _) in bf16_on_every_isa(act, &gate, &up, &dy, false, &format!("n={n}")) {
             assert!(y[3 * 16..4 * 16].iter().any(|v| v.to_f32().is_subnormal()));
-            if matches!(isa, Isa::Avx512 | Isa::Avx2) {
-                let got = vec![bits(&y), bits(&dg), bits(&du)];
-                match &x86 {
-                    None => x86 = Some(got),
-                    Some(first) => assert!(*first == got, "{act:?}: AVX-512 and AVX2 differ"),
-                }
-            }
         }
     }
 }
@@ -484,51 +517,10 @@ fn bf16_pairs_keep_element_order() {
                     _ => gate[at] = bf16::NEG_INFINITY,
                 }
                 for act in ACTS {
-                    let mut x86: Option<Vec<Vec<u16>>> = None;
-                    for isa in Isa::available() {
-                        let (mut y, mut dg, mut du) = (
-                            poisoned::<bf16>(n),
-                            poisoned::<bf16>(n),
-                            poisoned::<bf16>(n),
-                        );
-                        with_isa(isa, || {
-                            glu::forward(act, &gate, &up, &mut y, &Serial);
-                            glu::backward(act, &gate, &up, &dy, &mut dg, &mut du, &Serial);
-                        });
-                        for i in 0..n {
-                            let (x, u, d) = (gate[i].to_f64(), up[i].to_f64(), dy[i].to_f64());
-                            let (f, df) = act_ref(act, x);
-                            let ctx = format!("{isa:?} {act:?} n={n} i={i} gate {x} up {u}");
-                            assert!(ulps(y[i], f * u, 0.0) <= 1.0, "y {} ({ctx})", y[i]);
-                            assert!(ulps(du[i], f * d, 0.0) <= 1.0, "dup {} ({ctx})", du[i]);
-                            let terms = if x.is_finite() {
-                                derivative_terms(act, x)
-                            } else {
-                                0.0
-                            };
-                            let floor = (terms * u * d).abs();
-                            assert!(
-                                ulps(dg[i], df * u * d, floor) <= 1.0,
-                                "dgate {} ({ctx})",
-                                dg[i]
-                            );
-                        }
+                    let what = format!("n={n} at={at}");
+                    for (_, y, _, _) in bf16_on_every_isa(act, &gate, &up, &dy, true, &what) {
                         if special == 0 {
                             assert!(y[at].to_f32().is_subnormal() || y[at].to_f32() == 0.0);
-                        }
-                        if matches!(isa, Isa::Avx512 | Isa::Avx2) {
-                            let bits = |v: &[bf16]| {
-                                v.iter()
-                                    .map(|x| if x.is_nan() { 0 } else { x.to_bits() })
-                                    .collect::<Vec<u16>>()
-                            };
-                            let got = vec![bits(&y), bits(&dg), bits(&du)];
-                            match &x86 {
-                                None => x86 = Some(got),
-                                Some(first) => {
-                                    assert!(*first == got, "{act:?} n={n}: AVX-512 and AVX2 differ")
-                                }
-                            }
                         }
                     }
                 }
