@@ -1,5 +1,6 @@
 """The native softmax / log-softmax grafts on CUDA: every kernel path (rows in registers, vector
-and scalar; the loop kernel staged in shared memory and not; the cols kernel for inner dims)
+and scalar; the loop kernel staged in shared memory and not; rows split over clusters of
+blocks; the cols kernel for inner dims)
 against float64 and ATen's CUDA kernels, half_to_float, special values, layouts, errors,
 autograd and torch.compile."""
 
@@ -26,7 +27,8 @@ OPS = {
     "log_softmax": (A._log_softmax, A._log_softmax_backward_data),
 }
 # Widths through every path: sub-warp and multi-warp rows, the register limit (16k-32k
-# elements forward, 8k-16k backward), the staged loop kernel, and rows too wide to stage.
+# elements forward, 8k-16k backward), the staged loop kernel, rows split over clusters of 2-8
+# blocks, and rows too wide to stage even so (float64 at 262144).
 WIDTHS = [1, 7, 64, 1000, 1024, 4096, 5000, 8192, 16384, 16385, 32768, 65536, 131072, 262144]
 
 
@@ -180,6 +182,35 @@ def test_special_values_exactly_as_aten(op, width, dim):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
 
 
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [65536, 262147])
+def test_rows_split_over_blocks_merge_special_values_like_aten(op, dtype, width):
+    # Rows this wide are split over a cluster of blocks (sm_90+), each staging a slice: a
+    # slice of only -inf, and an infinity or a NaN in the last slice, must merge as ATen's.
+    inf, nan = float("inf"), float("nan")
+    x = randn(5, width)
+    x[0, : width // 2] = -inf
+    x[1, -1] = inf
+    x[2, -3] = nan
+    x[3, : width - 10] = -inf
+    x = x.to(dtype)
+    fwd = OPS[op][0]
+    want = fwd(x, -1, False)
+    with torchgraft.enabled():
+        poison_allocator(x.shape, dtype)
+        got = fwd(x, -1, False)
+        assert calls(key(op)) == 1
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[1:3].isnan().all()
+    exact = ~want.isnan() & (want.isinf() | (want == 0))
+    assert torch.equal(got[exact], want[exact])
+    for r in (0, 3, 4):
+        ref = softmax_reference(x[r], -1, op == "log_softmax")
+        finite = ref.isfinite()  # log-softmax's -inf are checked exactly above
+        assert rel_err(got[r][finite], ref[finite]) < TOL[dtype]
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.numel() == 0:
         return 0.0
@@ -289,12 +320,13 @@ POLICY_CASES = {
     # (op, dtype, shape, dim): whether the kernels take the forward / the backward.
     "bf16 softmax 4096": ("softmax", torch.bfloat16, (64, 4096), -1, True, True),
     "f16 softmax 65536": ("softmax", torch.float16, (8, 65536), -1, True, True),
-    "bf16 softmax 131072": ("softmax", torch.bfloat16, (4, 131072), -1, False, False),
+    "bf16 softmax 131072": ("softmax", torch.bfloat16, (4, 131072), -1, True, True),
     "f32 softmax": ("softmax", torch.float32, (64, 4096), -1, False, False),
     "bf16 softmax inner dim": ("softmax", torch.bfloat16, (64, 32, 8), 1, False, False),
     "bf16 log_softmax 1024": ("log_softmax", torch.bfloat16, (64, 1024), -1, True, True),
     "bf16 log_softmax 16384": ("log_softmax", torch.bfloat16, (16, 16384), -1, True, False),
-    "bf16 log_softmax 32768": ("log_softmax", torch.bfloat16, (8, 32768), -1, False, False),
+    "bf16 log_softmax 32768": ("log_softmax", torch.bfloat16, (8, 32768), -1, True, True),
+    "bf16 log_softmax 262144": ("log_softmax", torch.bfloat16, (2, 262144), -1, True, False),
 }
 
 

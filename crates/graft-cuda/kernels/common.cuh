@@ -209,6 +209,69 @@ __device__ __forceinline__ void store_pack_hinted(T* p, const Pack<T>& v,
 #endif
 }
 
+// Thread-block clusters (sm_90+; a kernel declares its size with GRAFT_CLUSTER_DIMS): this
+// block's rank in its cluster; the two halves of a barrier over every thread of the cluster
+// (arrive releases this thread's earlier shared-memory accesses, wait acquires the others'),
+// which must alternate; and a load from the shared memory of the cluster's block `rank`.
+// Kernels that use them are launched only on sm_90 and newer: on older archs they trap, and
+// the CPU emulator, which runs one block at a time, has clusters of one block.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRAFT_CLUSTER_DIMS(C) __cluster_dims__(C, 1, 1)
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_address(const void* local, unsigned rank) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ float load_from_rank(const float* local, unsigned rank) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];"
+               : "=f"(v)
+               : "r"(cluster_address(local, rank))
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ double load_from_rank(const double* local, unsigned rank) {
+  double v;
+  asm volatile("ld.shared::cluster.f64 %0, [%1];"
+               : "=d"(v)
+               : "r"(cluster_address(local, rank))
+               : "memory");
+  return v;
+}
+#else
+#define GRAFT_CLUSTER_DIMS(C)
+#if defined(__CUDA_ARCH__)
+#define GRAFT_NO_CLUSTERS() __trap()
+#else
+#define GRAFT_NO_CLUSTERS() (void)0
+#endif
+__device__ __forceinline__ unsigned cluster_rank() {
+  GRAFT_NO_CLUSTERS();
+  return 0;
+}
+__device__ __forceinline__ void cluster_arrive() { GRAFT_NO_CLUSTERS(); }
+__device__ __forceinline__ void cluster_wait() { GRAFT_NO_CLUSTERS(); }
+template <typename A>
+__device__ __forceinline__ A load_from_rank(const A* local, unsigned rank) {
+  GRAFT_NO_CLUSTERS();
+  (void)rank;
+  return *local;
+}
+#undef GRAFT_NO_CLUSTERS
+#endif
+
 // Units: 16 bytes of a row's element type (N = 16 / sizeof(T) elements), widened to A.
 
 template <typename T>

@@ -18,6 +18,8 @@ pub struct DeviceLimits {
     pub smem_per_block_optin: u32,
     /// Shared memory the driver reserves per block (bytes).
     pub reserved_smem_per_block: u32,
+    /// Thread-block clusters (compute capability 9.0 or newer).
+    pub clusters: bool,
 }
 
 impl DeviceLimits {
@@ -30,6 +32,7 @@ impl DeviceLimits {
         smem_per_sm: 233_472,
         smem_per_block_optin: 232_448,
         reserved_smem_per_block: 1024,
+        clusters: true,
     };
 }
 

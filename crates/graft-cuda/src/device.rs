@@ -149,6 +149,7 @@ pub(crate) fn limits(api: &Api, dev: CuDevice) -> Result<DeviceLimits, CudaError
         smem_per_sm: a(driver::ATTR_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
         smem_per_block_optin: a(driver::ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
         reserved_smem_per_block: a(driver::ATTR_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
+        clusters: a(driver::ATTR_COMPUTE_CAPABILITY_MAJOR)? >= 9,
     })
 }
 

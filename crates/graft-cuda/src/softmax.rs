@@ -2,10 +2,12 @@
 //! and launch shape, the launch.
 //!
 //! `inner == 1` (the reduced dim is the last of the contiguous tensor): the rows kernels when a
-//! row fits in a row group's registers (forward up to 4096 units of 16 bytes, backward 2048),
-//! else the loop kernel, which stages the row in shared memory when it fits (one read from
-//! memory) and otherwise reads it twice, with the grid sized so that the second read finds
-//! the row in L2. `inner > 1`: the cols kernels.
+//! row fits in a row group's registers (forward up to 1024 units of 16 bytes with 16-bit
+//! input and output, else 2048; backward 2048), else the loop kernel, which stages the row in
+//! shared memory (one read from memory). Rows too wide for one block's share of an SM are
+//! split over a cluster of 2 to 8 blocks (the split kernels, sm_90+), each staging its part.
+//! Rows that do not fit even so are read twice, with the grid sized so that the second read
+//! finds the row in L2. `inner > 1`: the cols kernels.
 
 use crate::config::{blocks_per_sm, choose_rows, rows_per_block, MAX_GRID};
 use crate::device;
@@ -98,14 +100,28 @@ fn rows_table(backward: bool, elem: u64, vec: bool) -> &'static [(u32, u32)] {
         (true, _, false) => &[(1, 1024), (2, 256)],
     }
 }
+/// The forward's rows kernels take rows up to this many units; wider rows run faster staged
+/// by the loop kernel, from half as wide with its base-2 exponentials (16-bit input and
+/// output). H100, bench/kernel_lab/softmax_split_sweep.py, bf16 softmax, fraction of copy:
+/// 8192 wide rows 0.99 / loop 0.90, 16384 0.93 / 0.98, 32768 0.77 / 0.95.
+const FWD_ROWS_MAX_UNITS: u64 = 2048;
+const FWD_ROWS_MAX_UNITS_FAST_EXP: u64 = 1024;
+/// Bytes a loop kernel's block stages, up to which it runs `SLICE_THREADS` threads with
+/// several blocks per SM; wider rows are split over clusters so that each block's slice
+/// fits. The backward keeps rows of up to `BWD_WHOLE_ROW_BYTES` on one block of
+/// `LOOP_THREADS` (H100, bf16: 32768 wide 0.995 of copy whole against 0.88-0.93 split in two).
+const SLICE_BYTES: u64 = 64 << 10;
+const BWD_WHOLE_ROW_BYTES: u64 = 128 << 10;
+/// Cluster sizes of the split kernels.
+const SPLITS: [u64; 3] = [2, 4, 8];
 /// Preferred units per thread of the rows kernels.
 const PREF_V: u32 = 4;
 /// Threads per block the rows kernels aim for.
 const TARGET_BLOCK: u32 = 256;
-/// Block sizes of the loop kernels (`kFwdLoopThreads`, `kBwdLoopThreads`) and the most of the
-/// cols kernels (`kColsThreads`).
-const FWD_LOOP_THREADS: u32 = 1024;
-const BWD_LOOP_THREADS: u32 = 512;
+/// Block sizes of the loop kernels (the most, `kFwdLoopThreads` = `kBwdLoopThreads`, and the
+/// one for slices of at most `SLICE_BYTES`) and the most of the cols kernels (`kColsThreads`).
+const LOOP_THREADS: u32 = 512;
+const SLICE_THREADS: u32 = 256;
 const COLS_THREADS: u32 = 256;
 /// Bytes of rows the unstaged loop kernel keeps in flight between its two reads, so that the
 /// second finds them in L2 (half of an A100's or H100's L2 or less).
@@ -118,6 +134,8 @@ pub(crate) enum Body {
     Rows { v: u32, vec: bool },
     /// One row per block, two passes.
     Loop,
+    /// One row per cluster of `c` blocks, two passes.
+    Split { c: u32 },
     /// inner > 1.
     Cols,
 }
@@ -165,6 +183,7 @@ fn name(dir: &str, body: Body, tag: &str) -> String {
             format!("graft_softmax_{dir}_rows_{kind}{v}_{tag}")
         }
         Body::Loop => format!("graft_softmax_{dir}_loop_{tag}"),
+        Body::Split { c } => format!("graft_softmax_{dir}_split{c}_{tag}"),
         Body::Cols => format!("graft_softmax_{dir}_cols_{tag}"),
     }
 }
@@ -180,16 +199,24 @@ pub(crate) fn kernel_names() -> Vec<String> {
                 }
             }
             out.push(name(dir, Body::Loop, t));
+            for c in SPLITS {
+                out.push(name(dir, Body::Split { c: c as u32 }, t));
+            }
             out.push(name(dir, Body::Cols, t));
         }
     }
     out
 }
 
-/// Whether kernel `name` may be given the device's whole shared memory (the loop kernels
-/// stage rows there).
+/// Whether kernel `name` may be given the device's whole shared memory (the loop and split
+/// kernels stage rows there).
 pub(crate) fn wants_large_smem(name: &str) -> bool {
-    name.starts_with("graft_softmax_fwd_loop_") || name.starts_with("graft_softmax_bwd_loop_")
+    ["fwd_loop_", "bwd_loop_", "fwd_split", "bwd_split"]
+        .iter()
+        .any(|k| {
+            name.strip_prefix("graft_softmax_")
+                .is_some_and(|n| n.starts_with(k))
+        })
 }
 
 fn check_ptr(name: &str, p: u64, dtype: DType) -> Result<(), CudaError> {
@@ -224,6 +251,8 @@ pub(crate) struct Problem {
     pub inner: u64,
     /// All pointers 16-byte aligned and rows a whole number of 16-byte units.
     pub vec: bool,
+    /// 16-bit input and output: the loop kernels' base-2 exponentials (`kFastExp`).
+    pub fast_exp: bool,
 }
 
 /// A launch: the kernel, its shape, and the parameters it reads from them.
@@ -238,10 +267,11 @@ pub(crate) struct Plan {
     pub stage: bool,
 }
 
-/// What the planner needs of a device: SMs, and for the loop kernel (whose attributes are
-/// looked up by name) the blocks per SM and the shared memory it may stage in.
+/// What the planner needs of a device: SMs, clusters, and for the loop kernel (whose
+/// attributes are looked up by name) the blocks per SM and the shared memory it may stage in.
 pub(crate) struct DeviceView<'a> {
     pub sms: u32,
+    pub clusters: bool,
     /// (blocks per SM, bytes of dynamic shared memory available) of the loop kernel, for a
     /// given dynamic shared memory size.
     pub loop_fit: &'a dyn Fn(u64) -> (u32, u64),
@@ -269,7 +299,17 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
     }
     let nunits = p.dim.div_ceil(16 / p.elem);
     let table = rows_table(p.backward, p.elem, p.vec);
-    if let Some(s) = choose_rows(nunits, table, PREF_V, None) {
+    let rows_max = if p.fast_exp {
+        FWD_ROWS_MAX_UNITS_FAST_EXP
+    } else {
+        FWD_ROWS_MAX_UNITS
+    };
+    let rows = if p.backward || nunits <= rows_max {
+        choose_rows(nunits, table, PREF_V, None)
+    } else {
+        None
+    };
+    if let Some(s) = rows {
         let rpb = rows_per_block(s.tpr, TARGET_BLOCK, s.max_threads, p.outer);
         let sets = p.outer.div_ceil(u64::from(rpb));
         return Plan {
@@ -283,24 +323,46 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
         };
     }
     let arrays = if p.backward { 2 } else { 1 };
-    let stage_bytes = nunits * 16 * arrays;
     let (_, room) = (dev.loop_fit)(0);
-    let stage = stage_bytes <= room;
-    let smem = if stage { stage_bytes } else { 0 };
-    let (per_sm, _) = (dev.loop_fit)(smem);
-    let threads = if p.backward {
-        BWD_LOOP_THREADS
+    // Bytes block `c` of a cluster of `c` stages (the kernel's slices are whole units).
+    let slice = |c: u64| nunits.div_ceil(c) * 16 * arrays;
+    let whole = if p.backward {
+        BWD_WHOLE_ROW_BYTES
     } else {
-        FWD_LOOP_THREADS
+        SLICE_BYTES
     };
-    let mut grid = (u64::from(dev.sms) * u64::from(per_sm.max(1))).min(p.outer);
-    if !stage {
+    let c = if slice(1) <= whole.min(room) || !dev.clusters {
+        1
+    } else {
+        let fits = SPLITS.iter().copied().find(|&c| slice(c) <= SLICE_BYTES);
+        fits.unwrap_or(SPLITS[SPLITS.len() - 1])
+    };
+    let stage = slice(c) <= room;
+    let (c, smem) = if stage { (c, slice(c)) } else { (1, 0) };
+    let threads = if stage && smem <= SLICE_BYTES {
+        SLICE_THREADS
+    } else {
+        LOOP_THREADS
+    };
+    // Staged: a row per block or cluster, as many as there are rows (blocks that finish
+    // are replaced at once). Unstaged: the resident blocks, fewer where their rows would
+    // not stay in L2 between the two reads.
+    let grid = if stage {
+        p.outer.min(MAX_GRID / c) * c
+    } else {
+        let (per_sm, _) = (dev.loop_fit)(0);
         let row_bytes = p.dim * p.elem * arrays;
         let in_l2 = (L2_BUDGET / row_bytes.max(1)).max(u64::from(dev.sms) / 2);
-        grid = grid.min(in_l2);
-    }
+        (u64::from(dev.sms) * u64::from(per_sm.max(1)))
+            .min(p.outer)
+            .min(in_l2)
+    };
     Plan {
-        body: Body::Loop,
+        body: if c == 1 {
+            Body::Loop
+        } else {
+            Body::Split { c: c as u32 }
+        },
         grid: grid.clamp(1, MAX_GRID) as u32,
         block: threads,
         smem: smem as u32,
@@ -321,13 +383,8 @@ fn run(
     let loop_name = name(dir, Body::Loop, tag);
     let loop_attrs = st.attrs[index_of(&loop_name)?];
     let limits = st.limits;
-    let threads = if problem.backward {
-        BWD_LOOP_THREADS
-    } else {
-        FWD_LOOP_THREADS
-    };
     let fit = |smem: u64| {
-        let per_sm = blocks_per_sm(&limits, &loop_attrs, threads, smem);
+        let per_sm = blocks_per_sm(&limits, &loop_attrs, LOOP_THREADS, smem);
         let room = u64::from(limits.smem_per_block_optin)
             .saturating_sub(u64::from(loop_attrs.static_smem));
         (per_sm, room)
@@ -336,6 +393,7 @@ fn run(
         &problem,
         &DeviceView {
             sms: limits.sms,
+            clusters: limits.clusters,
             loop_fit: &fit,
         },
     );
@@ -382,6 +440,7 @@ pub fn softmax_forward(a: &SoftmaxForward) -> Result<(), CudaError> {
         dim: a.dim as u64,
         inner: a.inner as u64,
         vec: vectorizable(&[a.x, a.y], a.dim, a.input.size()),
+        fast_exp: a.input.size() == 2 && a.output.size() == 2,
     };
     let params = SoftmaxParams {
         in0: a.x,
@@ -419,6 +478,7 @@ pub fn softmax_backward(a: &SoftmaxBackward) -> Result<(), CudaError> {
         dim: a.dim as u64,
         inner: a.inner as u64,
         vec: vectorizable(&[a.dy, a.y, a.dx], a.dim, a.grad.size()),
+        fast_exp: a.grad.size() == 2 && a.grad_input.size() == 2,
     };
     let params = SoftmaxParams {
         in0: a.dy,
@@ -450,6 +510,7 @@ mod tests {
             dim,
             inner,
             vec: true,
+            fast_exp: elem == 2,
         }
     }
 
@@ -461,9 +522,11 @@ mod tests {
     #[test]
     fn names_cover_every_variant() {
         let names = kernel_names();
-        // Forward: 4 vector + 2 scalar rows kernels, loop, cols for 5 type pairs; backward the
-        // same, less V = 8 for the two 16-bit pairs.
-        assert_eq!(names.len(), 5 * 8 + 5 * 8 - 2);
+        // Forward: 4 vector + 2 scalar rows kernels, loop, 3 split, cols for 5 type pairs;
+        // backward the same, less V = 8 for the two 16-bit pairs.
+        assert_eq!(names.len(), 5 * 11 + 5 * 11 - 2);
+        assert!(names.contains(&"graft_softmax_bwd_split8_f32_f16".to_string()));
+        assert!(wants_large_smem("graft_softmax_fwd_split2_bf16"));
         assert!(names.contains(&"graft_softmax_fwd_rows_v8_f16_f32".to_string()));
         assert!(names.contains(&"graft_softmax_bwd_rows_s2_f32_f16".to_string()));
         assert!(!names.contains(&"graft_softmax_bwd_rows_v8_bf16".to_string()));
@@ -477,34 +540,80 @@ mod tests {
         let fit = view(227 * 1024);
         let dev = DeviceView {
             sms: 132,
+            clusters: true,
             loop_fit: &fit,
         };
         // 4096 bf16 = 512 units: V=4, 128 threads per row, two rows per block.
         let pl = plan(&problem(false, 2, 1000, 4096, 1), &dev);
         let rows4 = Body::Rows { v: 4, vec: true };
         assert_eq!((pl.body, pl.tpr, pl.rpb), (rows4, 128, 2));
-        // 32768 bf16 = 4096 units: V=4 x 1024 threads, the register limit.
+        // 8192 bf16 = 1024 units: V=4 x 256 threads.
+        let pl = plan(&problem(false, 2, 10, 8192, 1), &dev);
+        assert_eq!((pl.body, pl.tpr, pl.block), (rows4, 256, 256));
+        // float32 (the library's exp) keeps rows kernels up to 2048 units: 8192 wide, V=4 x
+        // 512 threads; 16384 wide takes the loop kernel.
+        let pl = plan(&problem(false, 4, 10, 8192, 1), &dev);
+        assert_eq!((pl.body, pl.tpr), (rows4, 512));
+        assert_eq!(
+            plan(&problem(false, 4, 10, 16384, 1), &dev).body,
+            Body::Loop
+        );
+        // Beyond: the loop kernel, a row of up to 64 KB staged by a block of 256 threads.
+        let pl = plan(&problem(false, 2, 10, 16384, 1), &dev);
+        assert_eq!((pl.body, pl.smem, pl.block), (Body::Loop, 32768, 256));
         let pl = plan(&problem(false, 2, 10, 32768, 1), &dev);
-        assert_eq!((pl.body, pl.tpr, pl.block), (rows4, 1024, 1024));
-        // Beyond: the loop kernel, staged while the row fits in shared memory.
+        assert_eq!((pl.body, pl.stage, pl.smem), (Body::Loop, true, 65536));
+        assert_eq!((pl.block, pl.grid), (256, 10));
+        // Wider: split over a cluster so that each block stages at most 64 KB.
         let pl = plan(&problem(false, 2, 10, 65536, 1), &dev);
-        assert_eq!((pl.body, pl.stage, pl.smem), (Body::Loop, true, 131072));
+        let split = |c| Body::Split { c };
+        assert_eq!((pl.body, pl.smem, pl.grid), (split(2), 65536, 20));
         let pl = plan(&problem(false, 4, 1000, 131072, 1), &dev);
-        assert_eq!((pl.body, pl.stage), (Body::Loop, false));
-        // 512 KB rows: 48 in flight would fit the L2 budget; half the SMs at least.
-        assert_eq!(pl.grid, 66);
+        assert_eq!((pl.body, pl.smem, pl.block), (split(8), 65536, 256));
+        // 1 MB rows: 128 KB slices by 512-thread blocks of 8-block clusters.
+        let pl = plan(&problem(false, 4, 1000, 262144, 1), &dev);
+        assert_eq!((pl.body, pl.smem, pl.block), (split(8), 131072, 512));
+        // 4 MB rows fit no cluster: read twice, 6 rows in flight would fit the L2 budget;
+        // half the SMs at least.
+        let pl = plan(&problem(false, 4, 1000, 1 << 20, 1), &dev);
+        assert_eq!(
+            (pl.body, pl.stage, pl.grid, pl.block),
+            (Body::Loop, false, 66, 512)
+        );
+        // Without clusters (before sm_90) a block stages whatever fits.
+        let no_clusters = DeviceView {
+            clusters: false,
+            ..dev
+        };
+        let pl = plan(&problem(false, 2, 10, 65536, 1), &no_clusters);
+        assert_eq!((pl.body, pl.smem, pl.block), (Body::Loop, 131072, 512));
         // Backward holds two rows: 16384 bf16 is its register limit.
         let pl = plan(&problem(true, 2, 10, 16384, 1), &dev);
         assert!(matches!(pl.body, Body::Rows { .. }));
         let pl = plan(&problem(true, 2, 10, 16392, 1), &dev);
         assert_eq!(pl.body, Body::Loop);
-        // Scalar accesses (an odd width): fewer units per thread, the loop kernel sooner.
-        let mut odd = problem(false, 2, 10, 16383, 1);
+        // It keeps rows of up to 128 KB (dy and y) on one block, then splits them.
+        let pl = plan(&problem(true, 2, 10, 32768, 1), &dev);
+        assert_eq!((pl.body, pl.smem, pl.block), (Body::Loop, 131072, 512));
+        let pl = plan(&problem(true, 2, 10, 65536, 1), &dev);
+        assert_eq!((pl.body, pl.smem, pl.block), (split(4), 65536, 256));
+        // Scalar accesses (an odd width): fewer units per thread, the loop kernel sooner
+        // (float32: 1024 units where 16-byte accesses reach 2048).
+        let mut odd = problem(false, 4, 10, 4095, 1);
         odd.vec = false;
+        odd.fast_exp = false;
         let pl = plan(&odd, &dev);
         assert_eq!(pl.body, Body::Rows { v: 2, vec: false });
-        odd.dim = 16385;
+        odd.dim = 4097;
         assert_eq!(plan(&odd, &dev).body, Body::Loop);
+        assert!(matches!(
+            plan(&problem(false, 4, 10, 4100, 1), &dev).body,
+            Body::Rows { .. }
+        ));
+        // Scalar rows split too.
+        let mut odd = problem(false, 2, 10, 65537, 1);
+        odd.vec = false;
+        assert_eq!(plan(&odd, &dev).body, split(4));
     }
 
     #[test]
@@ -512,6 +621,7 @@ mod tests {
         let fit = view(227 * 1024);
         let dev = DeviceView {
             sms: 132,
+            clusters: true,
             loop_fit: &fit,
         };
         let pl = plan(&problem(false, 4, 5000, 10, 1), &dev);
@@ -525,6 +635,7 @@ mod tests {
         let fit = view(227 * 1024);
         let dev = DeviceView {
             sms: 132,
+            clusters: true,
             loop_fit: &fit,
         };
         let pl = plan(&problem(false, 4, 8, 1000, 4096), &dev);
