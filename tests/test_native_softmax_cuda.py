@@ -26,7 +26,7 @@ OPS = {
     "softmax": (A._softmax, A._softmax_backward_data),
     "log_softmax": (A._log_softmax, A._log_softmax_backward_data),
 }
-# Widths through every path: sub-warp and multi-warp rows, the register limit (16k-32k
+# Widths through every path: sub-warp and multi-warp rows, the register limit (8k-16k
 # elements forward, 8k-16k backward), the staged loop kernel, rows split over clusters of 2-8
 # blocks, and rows too wide to stage even so (float64 at 262144).
 WIDTHS = [1, 7, 64, 1000, 1024, 4096, 5000, 8192, 16384, 16385, 32768, 65536, 131072, 262144]
