@@ -1,6 +1,6 @@
 """The native softmax / log-softmax grafts on CUDA: every kernel path (rows in registers, vector
 and scalar; the loop kernel staged in shared memory and not; rows split over clusters of
-blocks; the cols kernel for inner dims)
+blocks; persistent clusters; the cols kernel for inner dims)
 against float64 and ATen's CUDA kernels, half_to_float, special values, layouts, errors,
 autograd and torch.compile."""
 
@@ -209,6 +209,41 @@ def test_rows_split_over_blocks_merge_special_values_like_aten(op, dtype, width)
         ref = softmax_reference(x[r], -1, op == "log_softmax")
         finite = ref.isfinite()  # log-softmax's -inf are checked exactly above
         assert rel_err(got[r][finite], ref[finite]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(200, 65536), (37, 131072), (61, 65544), (40, 262144)])
+def test_wide_16_bit_rows_on_persistent_clusters(op, dtype, rows, width):
+    # 16-bit rows too wide for one block run on a persistent grid of clusters (the bulk
+    # kernels, sm_90+; the backward up to ~232k columns): more rows than resident clusters, so
+    # each cluster walks several rows through its two buffers; 65544 columns give the last
+    # block of a cluster a shorter slice. Each row is checked on its own, so a row that took
+    # another's partials would show.
+    log = op == "log_softmax"
+    fwd, bwd = OPS[op]
+    x = randn(rows, width, dtype=dtype)
+    dy = randn(rows, width, dtype=dtype, scale=1.0)
+    y_aten = fwd(x, -1, False)
+    with torchgraft.enabled():
+        poison_allocator(x.shape, dtype)
+        y = fwd(x, -1, False)
+        poison_allocator(x.shape, dtype)
+        dx = bwd(dy, y_aten, -1, dtype)
+        assert calls(key(op)) == 1 and calls(key(op, True)) == 1
+        # The same bits every time: no block reads a buffer or a partial before it is there.
+        for _ in range(3):
+            assert torch.equal(fwd(x, -1, False), y)
+            assert torch.equal(bwd(dy, y_aten, -1, dtype), dx)
+    torch.cuda.synchronize()
+    assert not y.isnan().any() and not dx.isnan().any()
+    y_ref = softmax_reference(x, -1, log)
+    y_err = (y.double() - y_ref).norm(dim=1) / y_ref.norm(dim=1)
+    assert y_err.max().item() < TOL[dtype], f"row {y_err.argmax().item()}"
+    ref = softmax_backward_reference(dy, y_aten, -1, log)
+    terms = dy.double().norm(dim=1) * (1.0 if log else y_aten.double().abs().amax(dim=1))
+    err = (dx.double() - ref).norm(dim=1) / torch.maximum(ref.norm(dim=1), terms)
+    assert err.max().item() < 4 * TOL[dtype], f"row {err.argmax().item()}"
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,8 +13,18 @@
 //   t's slot for this row with st.async, which completes on block t's mbarrier; a block waits
 //   only for its own C values. Two slots, by row parity: a block can run at most one row ahead
 //   of its slowest peer, since it needs that peer's next value before it pushes again.
+// And for the forward, whose blocks were short of instruction issue: `_push2` takes the
+// slice's maximum in packed pairs first (__hmax2_nan), then the sum in one fma an element,
+// with no running rescale; `_push3` adds the SFU's 2^x with subnormal results flushed
+// (ex2.approx.ftz: exp2f's non-ftz form takes about four instructions) and writes
+// 2^(v log2 e - (m log2 e + log2 s)) with one fma.
 #include "softmax.cu"
 namespace graft_bulk {
+__device__ __forceinline__ float fex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 using graft_softmax::Params;
 using TI = __nv_bfloat16;
 using A = float;
@@ -79,7 +89,7 @@ __device__ __forceinline__ void exchange(float& a, float& b, float (*slots)[8][2
   b = lane < C ? slots[par][lane][1] : idb;
 }
 
-template <int C, bool BWD, bool PUSH>
+template <int C, bool BWD, bool PUSH, bool TWO = false, bool FEX = false>
 __device__ __forceinline__ void bulk(const Params& p) {
   constexpr int U = 4;
   constexpr int ARR = BWD ? 2 : 1;
@@ -132,6 +142,27 @@ __device__ __forceinline__ void bulk(const Params& p) {
     const Pk* s0 = bufs + (b * ARR) * per;
     if constexpr (!BWD) {
       A m = graft_softmax::neg_inf<A>(), s = A(0);
+      if constexpr (TWO) {
+        __nv_bfloat162 mx = __float2bfloat162_rn(-INFINITY);
+        for (long long j = t; j < len; j += nt) {
+          const Pk raw = s0[j];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+          for (int e = 0; e < N / 2; ++e) mx = __hmax2_nan(mx, h[e]);
+        }
+        m = graft_common::max_acc(__low2float(mx), __high2float(mx));
+        m = graft_common::group_reduce(m, nt, red_m[parity], graft_common::MaxOp());
+        const A shift = m == graft_softmax::neg_inf<A>() ? A(0) : -m * graft_softmax::kLog2e;
+        for (long long j = t; j < len; j += nt) {
+          const Pk raw = s0[j];
+#pragma unroll
+          for (int e = 0; e < N; ++e)
+            s += FEX ? fex2(fmaf(graft_common::to_acc(raw.v[e]), graft_softmax::kLog2e, shift))
+                     : exp2f(fmaf(graft_common::to_acc(raw.v[e]), graft_softmax::kLog2e, shift));
+        }
+        s = graft_common::group_reduce(s, nt, red_s[parity], graft_common::SumOp());
+        parity ^= 1;
+      } else {
       for (long long j0 = t; j0 < len; j0 += (long long)U * nt) {
         A v[U][N];
 #pragma unroll
@@ -164,6 +195,7 @@ __device__ __forceinline__ void bulk(const Params& p) {
       }
       graft_softmax::block_merge(m, s, red_m[parity], red_s[parity]);
       parity ^= 1;
+      }
       if constexpr (C > 1 && !PUSH) graft_softmax::cluster_merge<C>(m, s, slot);
       if constexpr (C > 1 && PUSH) {
         exchange<C>(m, s, slots, xbar, i, graft_softmax::neg_inf<A>(), A(0));
@@ -172,6 +204,7 @@ __device__ __forceinline__ void bulk(const Params& p) {
       if (m == -graft_softmax::neg_inf<A>()) s = A(NAN);
       const A log_s = log(s);
       const A log2_s = log2f(s);
+      const A off = -fmaf(m, graft_softmax::kLog2e, log2_s);
       TI* y = static_cast<TI*>(p.out) + row * cols + lo * N;
       for (long long j = t; j < len; j += nt) {
         const Pk raw = s0[j];
@@ -179,8 +212,11 @@ __device__ __forceinline__ void bulk(const Params& p) {
 #pragma unroll
         for (int e = 0; e < N; ++e) {
           const A v = graft_common::to_acc(raw.v[e]);
-          o[e] = log_softmax ? (v - m) - log_s
-                             : exp2f(fmaf(v - m, graft_softmax::kLog2e, -log2_s));
+          if constexpr (FEX)
+            o[e] = log_softmax ? (v - m) - log_s : fex2(fmaf(v, graft_softmax::kLog2e, off));
+          else
+            o[e] = log_softmax ? (v - m) - log_s
+                               : exp2f(fmaf(v - m, graft_softmax::kLog2e, -log2_s));
         }
         graft_common::store_unit(y, o, j, cols, true);
       }
@@ -240,3 +276,21 @@ BULK(graft_softmax_bulk_bwd1, 1, true)
 BULK(graft_softmax_bulk_bwd2, 2, true)
 BULK(graft_softmax_bulk_bwd4, 4, true)
 BULK(graft_softmax_bulk_bwd8, 8, true)
+
+#define BULK2(NAME, C)                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024, 1) GRAFT_SOFTMAX_CLUSTER_DIMS_##C    \
+      NAME(const graft_softmax::Params p) {                                                 \
+    graft_bulk::bulk<C, false, true, true>(p);                                              \
+  }
+BULK2(graft_softmax_bulk_fwd2_push2, 2)
+BULK2(graft_softmax_bulk_fwd4_push2, 4)
+BULK2(graft_softmax_bulk_fwd8_push2, 8)
+
+#define BULK3(NAME, C)                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024, 1) GRAFT_SOFTMAX_CLUSTER_DIMS_##C    \
+      NAME(const graft_softmax::Params p) {                                                 \
+    graft_bulk::bulk<C, false, true, true, true>(p);                                        \
+  }
+BULK3(graft_softmax_bulk_fwd2_push3, 2)
+BULK3(graft_softmax_bulk_fwd4_push3, 4)
+BULK3(graft_softmax_bulk_fwd8_push3, 8)

@@ -1,7 +1,8 @@
 """Softmax / log-softmax on persistent clusters with bulk copies and pushed partials
-(softmax_bulk.cu beside this file, a lab kernel not built into the library) against the split
-and loop kernels of kernels/softmax.cu, bf16, 128 M elements, at 32k-256k columns. Each output is
-checked against ATen; times against a copy (forward) or 1.5 copies (backward: three tensors).
+(softmax_bulk.cu beside this file: the lab versions of the library's bulk kernels) against the
+split and loop kernels of kernels/softmax.cu, bf16, 128 M elements, at 32k-256k columns. Each
+output is checked against ATen; times against a copy (forward) or 1.5 copies (backward: three
+tensors).
 
 The bulk kernels run one resident wave: clusters as cuOccupancyMaxActiveClusters reports (a
 row's blocks wait for each other, so a cluster that had to wait for a free GPC would stall the
@@ -121,7 +122,11 @@ def main() -> None:
                             measure(split, name, rows * c, threads, slice_bytes, ins, ref, log)
                         )
                     if 2 * slice_bytes <= room:  # two buffers
-                        for push in ("", "_push"):
+                        for push in (
+                            ("", "_push", "_push2", "_push3")
+                            if d == "fwd" and c > 1
+                            else ("", "_push")
+                        ):
                             name = f"graft_softmax_bulk_{d}{c}{push}"
                             bulk.allow_shared_memory(name, 2 * slice_bytes)
                             clusters = max_clusters(bulk, name, c, threads, 2 * slice_bytes)

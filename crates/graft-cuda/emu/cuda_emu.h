@@ -65,6 +65,9 @@ inline void wait(Barrier& b) {
 }
 }  // namespace graft_emu
 
+// A wait on an emulated mbarrier (kernels/common.cuh) lets the block's other threads run.
+#define GRAFT_EMU_YIELD() graft_emu::yield()
+
 inline dim3 blockDim, gridDim;
 // threadIdx / blockIdx read the running thread's indices.
 #define threadIdx (dim3{graft_emu::t_tid, 0, 0})

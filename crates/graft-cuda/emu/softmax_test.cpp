@@ -1,9 +1,10 @@
 // Runs the kernels of kernels/softmax.cu on the CPU (cuda_emu.h): every type pair, the rows
 // kernels at every V (vector and scalar, sub-warp and multi-warp row groups, several rows per
-// block, grid-stride loops, misaligned rows), the loop kernels (staged and not), the cols
-// kernels (several slicings of dim), softmax and log-softmax, forward and backward, and rows
-// of special values. Outputs are poisoned with NaN first; results are compared with a
-// float64 reference (special values exactly). Build and run with emu/run_softmax.sh.
+// block, grid-stride loops, misaligned rows), the loop kernels (staged and not), the bulk
+// kernels (clusters of one block), the cols kernels (several slicings of dim), softmax and
+// log-softmax, forward and backward, and rows of special values. Outputs are poisoned with
+// NaN first; results are compared with a float64 reference (special values exactly). Build
+// and run with emu/run_softmax.sh.
 // Exit status 1 on any mismatch.
 
 #include <dlfcn.h>
@@ -334,6 +335,41 @@ void loop_cases(bool backward, const Pair& p) {
   }
 }
 
+// The bulk kernels with clusters of one block, the emulator's: the persistent walk over rows
+// (grids smaller and larger than the rows), the two buffers and the copies into them, rows of
+// special values. The exchange between the blocks of a cluster runs on a GPU only
+// (tests/test_native_softmax_cuda.py).
+extern "C" void graft_softmax_fwd_bulk1_f16(const Params p) { graft_softmax::fwd_bulk<__half, 1>(p); }
+extern "C" void graft_softmax_fwd_bulk1_bf16(const Params p) {
+  graft_softmax::fwd_bulk<__nv_bfloat16, 1>(p);
+}
+extern "C" void graft_softmax_bwd_bulk1_f16(const Params p) { graft_softmax::bwd_bulk<__half, 1>(p); }
+extern "C" void graft_softmax_bwd_bulk1_bf16(const Params p) {
+  graft_softmax::bwd_bulk<__nv_bfloat16, 1>(p);
+}
+
+void bulk_cases(bool backward, const Pair& p) {
+  if (p.in != p.out || dt_size(p.in) != 2) return;
+  const char* dir = backward ? "bwd" : "fwd";
+  for (long cols : {8L, 64L, 1000L, 4104L}) {
+    for (long rows : {1L, 3L, 7L}) {
+      for (unsigned grid : {1u, 2u, 3u, 9u}) {
+        for (unsigned block : {64u, 256u}) {
+          // Two buffers of x, or of dy and y.
+          const size_t smem = size_t(cols / 8) * 16 * 2 * (backward ? 2 : 1);
+          for (bool log_softmax : {false, true}) {
+            Launch l{std::string("graft_softmax_") + dir + "_bulk1_" + p.tag, grid, block, block, 1,
+                     true, true, smem};
+            run_case(backward, p, log_softmax, Shape{rows, cols, 1}, l, 0, 0);
+            if (!backward && grid == 2 && block == 64)
+              for (int sp = 1; sp <= 4; ++sp) run_case(backward, p, log_softmax, Shape{rows, cols, 1}, l, 0, sp);
+          }
+        }
+      }
+    }
+  }
+}
+
 void cols_cases(bool backward, const Pair& p) {
   const char* dir = backward ? "bwd" : "fwd";
   const Shape shapes[] = {{2, 3, 5}, {1, 7, 33}, {3, 100, 2}, {2, 1, 4}, {1, 300, 64}, {5, 9, 3}};
@@ -357,11 +393,13 @@ int main() {
   for (const Pair& p : kFwd) {
     rows_cases(false, p);
     loop_cases(false, p);
+    bulk_cases(false, p);
     cols_cases(false, p);
   }
   for (const Pair& p : kBwd) {
     rows_cases(true, p);
     loop_cases(true, p);
+    bulk_cases(true, p);
     cols_cases(true, p);
   }
   std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);

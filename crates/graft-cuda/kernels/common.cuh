@@ -215,6 +215,14 @@ __device__ __forceinline__ void store_pack_hinted(T* p, const Pack<T>& v,
 // which must alternate; and a load from the shared memory of the cluster's block `rank`.
 // Kernels that use them are launched only on sm_90 and newer: on older archs they trap, and
 // the CPU emulator, which runs one block at a time, has clusters of one block.
+//
+// Also sm_90+: mbarriers (`mbarrier_*`: one arrival, by the thread that announces how many
+// bytes will land, and a transaction count the bytes bring down; a wait is for a phase, by
+// its parity), bulk copies from global to this block's shared memory that complete on an
+// mbarrier (TMA without a tensor map: 16-byte aligned addresses and sizes), and a pair of
+// floats stored into block `rank`'s shared memory that completes on that block's mbarrier
+// (st.async). The emulator copies and stores at once; its waits let the block's other
+// threads run until the phase completes.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GRAFT_CLUSTER_DIMS(C) __cluster_dims__(C, 1, 1)
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -250,6 +258,51 @@ __device__ __forceinline__ double load_from_rank(const double* local, unsigned r
                : "memory");
   return v;
 }
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// Initialises `bar` for one arrival a phase, visible to the cluster and the copy engine.
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// The phase's arrival, announcing `bytes` still to land.
+__device__ __forceinline__ void mbarrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Orders this thread's earlier shared-memory accesses before later bulk copies' writes.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes,
+                                                    unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar))
+      : "memory");
+}
+// Stores (a, b) at `local`'s address in block `rank`'s shared memory; 8 bytes for `bar` there.
+__device__ __forceinline__ void push_pair_to_rank(float* local, unsigned rank, float a, float b,
+                                                  unsigned long long* bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
+          cluster_address(local, rank)),
+      "f"(a), "f"(b), "r"(cluster_address(bar, rank))
+      : "memory");
+}
 #else
 #define GRAFT_CLUSTER_DIMS(C)
 #if defined(__CUDA_ARCH__)
@@ -269,8 +322,82 @@ __device__ __forceinline__ A load_from_rank(const A* local, unsigned rank) {
   (void)rank;
   return *local;
 }
+// The emulator's mbarrier, in the 8 bytes of one: bytes still to land, whether the phase's
+// arrival came, and the phases completed. A wait yields to the other threads of the block
+// (GRAFT_EMU_YIELD, from emu/cuda_emu.h) until its phase completes.
+struct EmuBarrier {
+  long long pending;
+  unsigned arrived, phases;
+};
+__device__ __forceinline__ EmuBarrier emu_barrier(const unsigned long long* bar) {
+  const long long v = static_cast<long long>(*bar);
+  return EmuBarrier{(v << 32) >> 32, unsigned(v >> 32) & 1u, unsigned(v >> 33)};
+}
+// Stores `e`, completing its phase once it has its arrival and no bytes are pending.
+__device__ __forceinline__ void emu_barrier_set(unsigned long long* bar, EmuBarrier e) {
+  if (e.arrived && e.pending == 0) {
+    e.arrived = 0;
+    ++e.phases;
+  }
+  *bar = (static_cast<unsigned long long>(e.phases) << 33) |
+         (static_cast<unsigned long long>(e.arrived) << 32) |
+         static_cast<unsigned>(static_cast<int>(e.pending));
+}
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
+  GRAFT_NO_CLUSTERS();
+  *bar = 0;
+}
+__device__ __forceinline__ void mbarrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
+  GRAFT_NO_CLUSTERS();
+  EmuBarrier e = emu_barrier(bar);
+  e.pending += bytes;
+  e.arrived = 1;
+  emu_barrier_set(bar, e);
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+  GRAFT_NO_CLUSTERS();
+  while ((emu_barrier(bar).phases & 1u) == parity) {
+#ifdef GRAFT_EMU_YIELD
+    GRAFT_EMU_YIELD();
+#endif
+  }
+}
+__device__ __forceinline__ void fence_async_shared() { GRAFT_NO_CLUSTERS(); }
+__device__ __forceinline__ void landed(unsigned long long* bar, unsigned bytes) {
+  EmuBarrier e = emu_barrier(bar);
+  e.pending -= bytes;
+  emu_barrier_set(bar, e);
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes,
+                                                    unsigned long long* bar) {
+  GRAFT_NO_CLUSTERS();
+  memcpy(dst, src, bytes);
+  landed(bar, bytes);
+}
+__device__ __forceinline__ void push_pair_to_rank(float* local, unsigned rank, float a, float b,
+                                                  unsigned long long* bar) {
+  GRAFT_NO_CLUSTERS();
+  (void)rank;  // 0: the emulator's clusters are one block
+  local[0] = a;
+  local[1] = b;
+  landed(bar, 8);
+}
 #undef GRAFT_NO_CLUSTERS
 #endif
+
+// 2^x by the SFU with results below 2^-126 flushed to zero: one instruction where exp2f takes
+// four (it rescales around the SFU to keep subnormal results). For kernels whose outputs are
+// 16-bit: a flushed value is below bf16's smallest normal and f16's smallest subnormal. The
+// emulator computes exp2f.
+__device__ __forceinline__ float exp2_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return exp2f(x);
+#endif
+}
 
 // Units: 16 bytes of a row's element type (N = 16 / sizeof(T) elements), widened to A.
 

@@ -20,6 +20,9 @@
 //                block stages its C-th of the row and the blocks merge their (maximum, sum)
 //                or sum through distributed shared memory, so rows too wide for one SM's
 //                shared memory are still read once.
+//   *_bulk{C}    16-bit rows too wide for one block (sm_90+): a persistent grid of
+//                clusters; the next row's slices arrive by bulk copy (TMA) while the
+//                current one is written, and the blocks' partials by st.async.
 //   *_cols       inner > 1: threads across `inner` (coalesced) and across slices of `dim`,
 //                a running maximum / sum per thread merged across slices in a fixed order.
 // All loops over rows / tiles are grid-stride with a trip count uniform over the block, so
@@ -567,6 +570,250 @@ __device__ __forceinline__ void bwd_loop(const Params& p) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Bulk kernels (16-bit input and output, rows a whole number of 16-byte units, sm_90+): a
+// persistent grid of clusters of C blocks, no more than can be resident at once, walks rows
+// r, r + clusters, ...; block `rank` owns the same slice of each (Slice). One thread fetches
+// the block's slice of its next row (of dy and y in the backward) with bulk copies into the
+// second of two shared-memory buffers while the current row is reduced and written. The
+// blocks' partials go by st.async straight into each block's slot for the row, completing on
+// that block's mbarrier, so a block waits for its C values only, not at a cluster barrier
+// (whose round trips cost rows this wide about 10%). Two slots by row parity suffice: a block
+// cannot run two rows ahead of a peer, as it needs that peer's partial of the row between.
+
+// Barriers and slots of a bulk kernel's block, and the start and end of its walk.
+template <int C>
+struct BulkSync {
+  struct alignas(8) Slot {
+    float a, b;  // st.async stores 8 aligned bytes
+  };
+  unsigned long long loaded[2];    // mbarriers, by buffer
+  unsigned long long received[2];  // mbarriers, by row parity
+  Slot slots[2][C];                // [parity][rank]
+
+  __device__ __forceinline__ void start() {
+    if (threadIdx.x == 0) {
+      for (int b = 0; b < 2; ++b) {
+        graft_common::mbarrier_init(&loaded[b]);
+        graft_common::mbarrier_init(&received[b]);
+      }
+    }
+    __syncthreads();
+    // No block pushes a partial before every block's mbarriers are initialised.
+    if constexpr (C > 1) {
+      graft_common::cluster_arrive();
+      graft_common::cluster_wait();
+    }
+  }
+  // No block exits while a peer's st.async may still be writing to it.
+  __device__ __forceinline__ void finish() {
+    if constexpr (C > 1) {
+      graft_common::cluster_arrive();
+      graft_common::cluster_wait();
+    }
+  }
+  // Sends this block's (a, b) for row number i to every block of the cluster; returns with
+  // lane l of every warp holding block l's pair (lanes from C on hold (ida, idb)).
+  __device__ __forceinline__ void exchange(float& a, float& b, long long i, float ida,
+                                           float idb) {
+    const int par = int(i & 1);
+    if (threadIdx.x == 0) graft_common::mbarrier_expect_bytes(&received[par], C * 8);
+    if (threadIdx.x < C) {
+      graft_common::push_pair_to_rank(&slots[par][graft_common::cluster_rank()].a, threadIdx.x,
+                                      a, b, &received[par]);
+    }
+    graft_common::mbarrier_wait(&received[par], unsigned(i >> 1) & 1u);
+    const unsigned lane = threadIdx.x & 31;
+    a = lane < C ? slots[par][lane].a : ida;
+    b = lane < C ? slots[par][lane].b : idb;
+  }
+};
+
+#if defined(__CUDA_ARCH__)
+template <typename T>
+struct Packed2;
+template <>
+struct Packed2<__half> {
+  using type = __half2;
+};
+template <>
+struct Packed2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+#endif
+
+// The largest of a block's staged units [0, len) (NaN where one is NaN on a GPU, which takes
+// pairs of values an instruction; the sums that follow turn NaN either way).
+template <typename T>
+__device__ __forceinline__ float staged_max(const graft_common::Pack<T>* xs, long long len) {
+  constexpr int N = Units<T>::N;
+#if defined(__CUDA_ARCH__)
+  using T2 = typename Packed2<T>::type;
+  const T ninf = from_acc<T>(-INFINITY);
+  T2 mx(ninf, ninf);
+  for (long long j = threadIdx.x; j < len; j += blockDim.x) {
+    const graft_common::Pack<T> raw = xs[j];  // one 16-byte load
+    const T2* h = reinterpret_cast<const T2*>(&raw);
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) mx = __hmax2_nan(mx, h[e]);
+  }
+  return max_acc(float(to_acc(mx.x)), float(to_acc(mx.y)));
+#else
+  float m = -INFINITY;
+  for (long long j = threadIdx.x; j < len; j += blockDim.x) {
+    const graft_common::Pack<T> raw = xs[j];
+#pragma unroll
+    for (int e = 0; e < N; ++e) m = max_acc(m, float(to_acc(raw.v[e])));
+  }
+  return m;
+#endif
+}
+
+template <typename T, int C>
+__device__ __forceinline__ void fwd_bulk(const Params& p) {
+  static_assert(sizeof(T) == 2, "16-bit input and output");
+  using A = float;
+  constexpr int N = Units<T>::N;
+  __shared__ BulkSync<C> sync;
+  __shared__ A red[2][32];
+  GRAFT_DYN_SMEM(dyn_smem);
+  const int nt = blockDim.x;
+  const int t = threadIdx.x;
+  const long long cols = p.dim;
+  const Slice<C> slice(cols / N);
+  const long long lo = slice.lo, len = slice.hi - slice.lo;
+  const long long per = (cols / N + C - 1) / C;  // units between the two buffers
+  const unsigned bytes = unsigned(len * 16);
+  const long long clusters = gridDim.x / C;
+  const bool log_softmax = p.log != 0;
+  graft_common::Pack<T>* staged = reinterpret_cast<graft_common::Pack<T>*>(dyn_smem);
+  const T* x = static_cast<const T*>(p.in0) + lo * N;
+  sync.start();
+  const auto fetch = [&](long long row, int b) {
+    graft_common::mbarrier_expect_bytes(&sync.loaded[b], bytes);
+    graft_common::bulk_copy_to_shared(staged + b * per, x + row * cols, bytes, &sync.loaded[b]);
+  };
+  long long row = blockIdx.x / C;
+  if (t == 0 && row < p.outer) fetch(row, 0);
+  for (long long i = 0; row < p.outer; ++i, row += clusters) {
+    const int b = int(i & 1);
+    if (t == 0 && row + clusters < p.outer) {
+      graft_common::fence_async_shared();  // the buffer's reads (two rows back) come first
+      fetch(row + clusters, b ^ 1);
+    }
+    graft_common::mbarrier_wait(&sync.loaded[b], unsigned(i >> 1) & 1u);
+    const graft_common::Pack<T>* xs = staged + b * per;
+    // The slice's maximum, then its sum of 2^((v - m) log2 e) as one fma an element (the
+    // sum need not be exact to the last bit), then the cluster's (maximum, sum).
+    A m = group_reduce(staged_max(xs, len), nt, red[0], MaxOp());
+    const A shift = m == neg_inf<A>() ? A(0) : -m * kLog2e;
+    A s = A(0);
+    for (long long j = t; j < len; j += nt) {
+      const graft_common::Pack<T> raw = xs[j];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        s += graft_common::exp2_ftz(fmaf(A(to_acc(raw.v[e])), kLog2e, shift));
+      }
+    }
+    s = group_reduce(s, nt, red[1], SumOp());
+    if constexpr (C > 1) {
+      sync.exchange(m, s, i, neg_inf<A>(), A(0));
+      warp_merge(m, s);
+    }
+    // ATen's two passes compute exp(inf - inf) = NaN into the sum.
+    if (m == -neg_inf<A>()) s = A(NAN);
+    const A log_s = log(s);
+    // exp(v - m) / s = 2^(v log2 e - (m log2 e + log2 s)): one fma and the SFU's 2^x.
+    const A offset = -fmaf(m, kLog2e, log2f(s));
+    T* y = static_cast<T*>(p.out) + row * cols + lo * N;
+    for (long long j = t; j < len; j += nt) {
+      const graft_common::Pack<T> raw = xs[j];
+      A o[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const A v = A(to_acc(raw.v[e]));
+        o[e] = log_softmax ? (v - m) - log_s : graft_common::exp2_ftz(fmaf(v, kLog2e, offset));
+      }
+      store_unit(y, o, j, cols, true);
+    }
+    __syncthreads();  // buffer b is read: the next iteration's copy may overwrite it
+  }
+  sync.finish();
+}
+
+template <typename T, int C>
+__device__ __forceinline__ void bwd_bulk(const Params& p) {
+  static_assert(sizeof(T) == 2, "16-bit gradients");
+  using A = float;
+  constexpr int N = Units<T>::N;
+  __shared__ BulkSync<C> sync;
+  __shared__ A red[2][32];
+  GRAFT_DYN_SMEM(dyn_smem);
+  const int nt = blockDim.x;
+  const int t = threadIdx.x;
+  const long long cols = p.dim;
+  const Slice<C> slice(cols / N);
+  const long long lo = slice.lo, len = slice.hi - slice.lo;
+  const long long per = (cols / N + C - 1) / C;  // units between the buffers' arrays
+  const unsigned bytes = unsigned(len * 16);
+  const long long clusters = gridDim.x / C;
+  const bool log_softmax = p.log != 0;
+  // [buffer][dy, y][per units]
+  graft_common::Pack<T>* staged = reinterpret_cast<graft_common::Pack<T>*>(dyn_smem);
+  const T* dy = static_cast<const T*>(p.in0) + lo * N;
+  const T* y = static_cast<const T*>(p.in1) + lo * N;
+  sync.start();
+  const auto fetch = [&](long long row, int b) {
+    unsigned long long* bar = &sync.loaded[b];
+    graft_common::mbarrier_expect_bytes(bar, 2 * bytes);
+    graft_common::bulk_copy_to_shared(staged + 2 * b * per, dy + row * cols, bytes, bar);
+    graft_common::bulk_copy_to_shared(staged + (2 * b + 1) * per, y + row * cols, bytes, bar);
+  };
+  long long row = blockIdx.x / C;
+  if (t == 0 && row < p.outer) fetch(row, 0);
+  for (long long i = 0; row < p.outer; ++i, row += clusters) {
+    const int b = int(i & 1);
+    if (t == 0 && row + clusters < p.outer) {
+      graft_common::fence_async_shared();  // the buffer's reads (two rows back) come first
+      fetch(row + clusters, b ^ 1);
+    }
+    graft_common::mbarrier_wait(&sync.loaded[b], unsigned(i >> 1) & 1u);
+    const graft_common::Pack<T>* gs = staged + 2 * b * per;
+    const graft_common::Pack<T>* ys = gs + per;
+    A r = A(0);
+    for (long long j = t; j < len; j += nt) {
+      const graft_common::Pack<T> g = gs[j], yv = ys[j];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const A gv = A(to_acc(g.v[e]));
+        r += log_softmax ? gv : gv * A(to_acc(yv.v[e]));
+      }
+    }
+    r = group_reduce(r, nt, red[b], SumOp());
+    if constexpr (C > 1) {
+      // Lane l of every warp takes block l's sum: every thread adds the same values in the
+      // same order.
+      A unused = A(0);
+      sync.exchange(r, unused, i, A(0), A(0));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+    }
+    T* dx = static_cast<T*>(p.out) + row * cols + lo * N;
+    for (long long j = t; j < len; j += nt) {
+      const graft_common::Pack<T> g = gs[j], yv = ys[j];
+      A o[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const A gv = A(to_acc(g.v[e])), yy = A(to_acc(yv.v[e]));
+        o[e] = log_softmax ? gv - exp2f(yy * kLog2e) * r : yy * (gv - r);
+      }
+      store_unit(dx, o, j, cols, true);
+    }
+    __syncthreads();  // buffer b is read: the next iteration's copy may overwrite it
+  }
+  sync.finish();
+}
+
+// ---------------------------------------------------------------------------------------
 // Cols kernels (inner > 1): a block covers `bx` adjacent columns of one outer index with
 // `by` slices of dim; thread (tx, ty) walks d = ty, ty + by, ... of column tx.
 
@@ -672,6 +919,7 @@ __device__ __forceinline__ void bwd_cols(const Params& p) {
 // Entry points, named as src/softmax.rs builds the names:
 //   graft_softmax_{fwd,bwd}_rows_{v,s}{V}_{tag}  graft_softmax_{fwd,bwd}_{loop,cols}_{tag}
 //   graft_softmax_{fwd,bwd}_split{C}_{tag} (C = 2, 4, 8)
+//   graft_softmax_fwd_bulk{C}_{f16,bf16} (C = 2, 4, 8)  graft_softmax_bwd_bulk8_{f16,bf16}
 // tag: f32 f64 f16 bf16, and f16_f32 (forward, half_to_float) / f32_f16 (its backward);
 // vector kernels (_v) for V = 1, 2, 4, 8 (backward of 16-bit types: 1, 2, 4), scalar kernels
 // (_s: odd widths, unaligned pointers) for V = 1, 2; the loop kernels take wider rows.
@@ -739,6 +987,18 @@ __device__ __forceinline__ void bwd_cols(const Params& p) {
     graft_softmax::bwd_cols<TG, TD>(p);                                                     \
   }
 
+// Bulk kernels, 16-bit types: the forward in clusters of 2, 4 and 8, the backward of 8.
+#define GRAFT_SOFTMAX_BULK(NAME, DIR, T, C)                                                  \
+  extern "C" __global__ void __launch_bounds__(graft_softmax::kFwdLoopThreads, 1)           \
+      GRAFT_CLUSTER_DIMS(C) NAME(const graft_softmax::Params p) {                           \
+    graft_softmax::DIR##_bulk<T, C>(p);                                                     \
+  }
+#define GRAFT_SOFTMAX_BULKS(TAG, T)                                                          \
+  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk2_##TAG, fwd, T, 2)                              \
+  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk4_##TAG, fwd, T, 4)                              \
+  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk8_##TAG, fwd, T, 8)                              \
+  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk8_##TAG, bwd, T, 8)
+
 GRAFT_SOFTMAX_FWD(f32, float, float)
 GRAFT_SOFTMAX_FWD(f64, double, double)
 GRAFT_SOFTMAX_FWD(f16, __half, __half)
@@ -753,3 +1013,5 @@ GRAFT_SOFTMAX_BWD(f32_f16, float, __half)
 GRAFT_SOFTMAX_BWD_ROWS(graft_softmax_bwd_rows_v8_f32, float, float, 8, true)
 GRAFT_SOFTMAX_BWD_ROWS(graft_softmax_bwd_rows_v8_f64, double, double, 8, true)
 GRAFT_SOFTMAX_BWD_ROWS(graft_softmax_bwd_rows_v8_f32_f16, float, __half, 8, true)
+GRAFT_SOFTMAX_BULKS(f16, __half)
+GRAFT_SOFTMAX_BULKS(bf16, __nv_bfloat16)

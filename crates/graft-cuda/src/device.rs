@@ -121,6 +121,50 @@ pub(crate) fn state(dev: i32) -> Result<&'static DeviceState, CudaError> {
     Ok(slot.state.get_or_init(|| s))
 }
 
+/// How many clusters of `cluster` blocks of kernel `kernel` (which declares that cluster size)
+/// can be resident on device `dev` at once, with `block` threads and `smem` bytes of dynamic
+/// shared memory a block; 0 where the driver cannot say (before CUDA 11.8). Cached per shape.
+pub(crate) fn resident_clusters(
+    dev: i32,
+    kernel: usize,
+    cluster: u32,
+    block: u32,
+    smem: u32,
+) -> Result<u32, CudaError> {
+    type Key = (i32, usize, u32, u32, u32);
+    static CACHE: Mutex<Vec<(Key, u32)>> = Mutex::new(Vec::new());
+    let key = (dev, kernel, cluster, block, smem);
+    let cached = |c: &Vec<(Key, u32)>| c.iter().find(|(k, _)| *k == key).map(|&(_, n)| n);
+    if let Some(n) = cached(&CACHE.lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(n);
+    }
+    let api = driver::api()?;
+    let Some(query) = api.cu_occupancy_max_active_clusters else {
+        return Ok(0);
+    };
+    let st = state(dev)?;
+    let _ctx = ContextGuard::enter(api, st.ctx)?;
+    let config = driver::CuLaunchConfig {
+        grid_dim: [cluster, 1, 1],
+        block_dim: [block, 1, 1],
+        shared_mem_bytes: smem,
+        stream: std::ptr::null_mut(),
+        attrs: std::ptr::null_mut(),
+        num_attrs: 0,
+    };
+    let mut n: c_int = 0;
+    // SAFETY: the function belongs to this device's module, whose context is current; the
+    // config is a valid CUlaunchConfig without attributes; one int is written.
+    let r = unsafe { query(&mut n, st.functions[kernel], &config) };
+    api.check("cuOccupancyMaxActiveClusters", r)?;
+    let n = u32::try_from(n).unwrap_or(0);
+    CACHE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((key, n));
+    Ok(n)
+}
+
 pub(crate) fn cu_device(api: &Api, ordinal: i32) -> Result<CuDevice, CudaError> {
     let mut dev: CuDevice = 0;
     // SAFETY: cuDeviceGet writes one CUdevice; the driver range-checks the ordinal.

@@ -51,6 +51,18 @@ pub(crate) const FUNC_ATTR_LOCAL_SIZE_BYTES: c_int = 3;
 pub(crate) const FUNC_ATTR_NUM_REGS: c_int = 4;
 pub(crate) const FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
 
+/// `CUlaunchConfig`, for [`Api::cu_occupancy_max_active_clusters`] (no launch attributes: the
+/// kernels asked about declare their cluster size).
+#[repr(C)]
+pub(crate) struct CuLaunchConfig {
+    pub grid_dim: [c_uint; 3],
+    pub block_dim: [c_uint; 3],
+    pub shared_mem_bytes: c_uint,
+    pub stream: CuStream,
+    pub attrs: *mut c_void,
+    pub num_attrs: c_uint,
+}
+
 /// `CU_STREAM_NON_BLOCKING`.
 pub(crate) const STREAM_NON_BLOCKING: c_uint = 1;
 
@@ -107,6 +119,9 @@ pub(crate) struct Api {
     pub cu_event_synchronize: unsafe extern "C" fn(CuEvent) -> CuResult,
     pub cu_event_elapsed_time: unsafe extern "C" fn(*mut f32, CuEvent, CuEvent) -> CuResult,
     pub cu_event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
+    /// `cuOccupancyMaxActiveClusters` (CUDA 11.8+; `None` on older drivers).
+    pub cu_occupancy_max_active_clusters:
+        Option<unsafe extern "C" fn(*mut c_int, CuFunction, *const CuLaunchConfig) -> CuResult>,
     /// `cuInit(0)`'s result: a driver that loads but finds no device is not an error for
     /// [`crate::device_count`].
     pub init_result: CuResult,
@@ -188,6 +203,10 @@ pub(crate) fn load(path: &str) -> Result<Api, CudaError> {
             }
         },
         cu_event_destroy: sym!("cuEventDestroy_v2"),
+        // SAFETY: as in sym!: the signature matches cuda.h and `lib` outlives the pointer.
+        cu_occupancy_max_active_clusters: unsafe { lib.get("cuOccupancyMaxActiveClusters") }
+            .map(|s| *s)
+            .ok(),
         init_result: CUDA_SUCCESS,
         _lib: lib,
     };

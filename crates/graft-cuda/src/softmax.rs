@@ -5,9 +5,11 @@
 //! row fits in a row group's registers (forward up to 1024 units of 16 bytes with 16-bit
 //! input and output, else 2048; backward 2048), else the loop kernel, which stages the row in
 //! shared memory (one read from memory). Rows too wide for one block's share of an SM are
-//! split over a cluster of 2 to 8 blocks (the split kernels, sm_90+), each staging its part.
-//! Rows that do not fit even so are read twice, with the grid sized so that the second read
-//! finds the row in L2. `inner > 1`: the cols kernels.
+//! split over a cluster of 2 to 8 blocks (the split kernels, sm_90+), each staging its part;
+//! such rows in 16-bit types run the bulk kernels instead, a persistent grid of clusters that
+//! fetches each block's next slice while it writes the current one. Rows that do not fit even
+//! so are read twice, with the grid sized so that the second read finds the row in L2.
+//! `inner > 1`: the cols kernels.
 
 use crate::config::{blocks_per_sm, choose_rows, rows_per_block, MAX_GRID};
 use crate::device;
@@ -114,6 +116,15 @@ const SLICE_BYTES: u64 = 64 << 10;
 const BWD_WHOLE_ROW_BYTES: u64 = 128 << 10;
 /// Cluster sizes of the split kernels.
 const SPLITS: [u64; 3] = [2, 4, 8];
+/// The backward bulk kernel's cluster and block size (H100, bf16 softmax backward,
+/// bench/kernel_lab/softmax_bulk_sweep.py, fraction of copy: 65536 wide 0.93 with 8 blocks of
+/// 256 threads, 0.93 with 4 of 512; 131072 wide 0.92 with 8 of 256, against 0.89 and 0.84 for
+/// the split kernels). The forward's take the split kernels' cluster sizes (slices of at most
+/// 64 KB) and 512 threads, 256 in clusters of two (same lab, forward softmax / log-softmax:
+/// 65536 wide 0.91 / 0.92 in two blocks of 256, 131072 0.93 / 0.92 in four of 512, 262144
+/// 0.93 / 0.93 in eight of 512, against 0.85 / 0.89, 0.81 / 0.84 and 0.78 / 0.81 split).
+const BWD_BULK_CLUSTER: u64 = 8;
+const BWD_BULK_THREADS: u32 = 256;
 /// Preferred units per thread of the rows kernels.
 const PREF_V: u32 = 4;
 /// Threads per block the rows kernels aim for.
@@ -136,6 +147,9 @@ pub(crate) enum Body {
     Loop,
     /// One row per cluster of `c` blocks, two passes.
     Split { c: u32 },
+    /// A persistent grid of clusters of `c` blocks, the next row's slices fetched by bulk
+    /// copies.
+    Bulk { c: u32 },
     /// inner > 1.
     Cols,
 }
@@ -184,6 +198,7 @@ fn name(dir: &str, body: Body, tag: &str) -> String {
         }
         Body::Loop => format!("graft_softmax_{dir}_loop_{tag}"),
         Body::Split { c } => format!("graft_softmax_{dir}_split{c}_{tag}"),
+        Body::Bulk { c } => format!("graft_softmax_{dir}_bulk{c}_{tag}"),
         Body::Cols => format!("graft_softmax_{dir}_cols_{tag}"),
     }
 }
@@ -203,20 +218,37 @@ pub(crate) fn kernel_names() -> Vec<String> {
                 out.push(name(dir, Body::Split { c: c as u32 }, t));
             }
             out.push(name(dir, Body::Cols, t));
+            if t == "f16" || t == "bf16" {
+                let sizes: &[u64] = if dir == "bwd" {
+                    &[BWD_BULK_CLUSTER]
+                } else {
+                    &SPLITS
+                };
+                for &c in sizes {
+                    out.push(name(dir, Body::Bulk { c: c as u32 }, t));
+                }
+            }
         }
     }
     out
 }
 
-/// Whether kernel `name` may be given the device's whole shared memory (the loop and split
-/// kernels stage rows there).
+/// Whether kernel `name` may be given the device's whole shared memory (the loop, split and
+/// bulk kernels stage rows there).
 pub(crate) fn wants_large_smem(name: &str) -> bool {
-    ["fwd_loop_", "bwd_loop_", "fwd_split", "bwd_split"]
-        .iter()
-        .any(|k| {
-            name.strip_prefix("graft_softmax_")
-                .is_some_and(|n| n.starts_with(k))
-        })
+    [
+        "fwd_loop_",
+        "bwd_loop_",
+        "fwd_split",
+        "bwd_split",
+        "fwd_bulk",
+        "bwd_bulk",
+    ]
+    .iter()
+    .any(|k| {
+        name.strip_prefix("graft_softmax_")
+            .is_some_and(|n| n.starts_with(k))
+    })
 }
 
 fn check_ptr(name: &str, p: u64, dtype: DType) -> Result<(), CudaError> {
@@ -267,14 +299,19 @@ pub(crate) struct Plan {
     pub stage: bool,
 }
 
-/// What the planner needs of a device: SMs, clusters, and for the loop kernel (whose
-/// attributes are looked up by name) the blocks per SM and the shared memory it may stage in.
+/// What the planner needs of a device: SMs, clusters, for the loop kernel (whose attributes
+/// are looked up by name) the blocks per SM and the shared memory it may stage in, and for
+/// the bulk kernel the clusters that can be resident.
 pub(crate) struct DeviceView<'a> {
     pub sms: u32,
     pub clusters: bool,
     /// (blocks per SM, bytes of dynamic shared memory available) of the loop kernel, for a
     /// given dynamic shared memory size.
     pub loop_fit: &'a dyn Fn(u64) -> (u32, u64),
+    /// (clusters resident at once, 0 if unknown; bytes of dynamic shared memory available)
+    /// of the bulk kernel with clusters of the given size, for a given block and dynamic
+    /// shared memory size.
+    pub bulk_fit: &'a dyn Fn(u32, u32, u64) -> (u32, u64),
 }
 
 pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
@@ -331,12 +368,24 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
     } else {
         SLICE_BYTES
     };
-    let c = if slice(1) <= whole.min(room) || !dev.clusters {
+    let whole_row = slice(1) <= whole.min(room);
+    let split = SPLITS.iter().copied().find(|&c| slice(c) <= SLICE_BYTES);
+    let c = if whole_row || !dev.clusters {
         1
     } else {
-        let fits = SPLITS.iter().copied().find(|&c| slice(c) <= SLICE_BYTES);
-        fits.unwrap_or(SPLITS[SPLITS.len() - 1])
+        split.unwrap_or(SPLITS[SPLITS.len() - 1])
     };
+    if p.fast_exp && p.vec && c > 1 {
+        let shape = match (p.backward, split) {
+            (true, _) => Some((BWD_BULK_CLUSTER, BWD_BULK_THREADS)),
+            (false, Some(2)) => Some((2, SLICE_THREADS)),
+            (false, Some(c)) => Some((c, LOOP_THREADS)),
+            (false, None) => None,
+        };
+        if let Some(pl) = shape.and_then(|(c, t)| plan_bulk(p, c, t, slice(c), dev)) {
+            return pl;
+        }
+    }
     let stage = slice(c) <= room;
     let (c, smem) = if stage { (c, slice(c)) } else { (1, 0) };
     let threads = if stage && smem <= SLICE_BYTES {
@@ -372,6 +421,29 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
     }
 }
 
+/// A bulk kernel's launch in clusters of `c` blocks of `threads`, for slices of `slice` bytes
+/// (x's, or dy's and y's), where its two buffers fit and the driver says how many of its
+/// clusters can be resident: that many, since a row's blocks wait for each other (more
+/// clusters than fit would leave some rows to a later wave), or one per row where there are
+/// fewer rows.
+fn plan_bulk(p: &Problem, c: u64, threads: u32, slice: u64, dev: &DeviceView<'_>) -> Option<Plan> {
+    let smem = 2 * slice;
+    let (resident, room) = (dev.bulk_fit)(c as u32, threads, smem);
+    if smem > room || resident == 0 {
+        return None;
+    }
+    let clusters = u64::from(resident).min(p.outer).min(MAX_GRID / c);
+    Some(Plan {
+        body: Body::Bulk { c: c as u32 },
+        grid: (clusters * c) as u32,
+        block: threads,
+        smem: smem as u32,
+        tpr: threads,
+        rpb: 1,
+        stage: true,
+    })
+}
+
 fn run(
     dir: &str,
     (device_id, stream): (i32, usize),
@@ -389,12 +461,28 @@ fn run(
             .saturating_sub(u64::from(loop_attrs.static_smem));
         (per_sm, room)
     };
+    // A failed query (as an old driver's) leaves the split kernels to the rows.
+    let bulk_fit = |c: u32, threads: u32, smem: u64| {
+        let Ok(k) = index_of(&name(dir, Body::Bulk { c }, tag)) else {
+            return (0, 0);
+        };
+        let room = u64::from(limits.smem_per_block_optin)
+            .saturating_sub(u64::from(st.attrs[k].static_smem));
+        let resident = match u32::try_from(smem) {
+            Ok(smem) if u64::from(smem) <= room => {
+                device::resident_clusters(device_id, k, c, threads, smem).unwrap_or(0)
+            }
+            _ => 0,
+        };
+        (resident, room)
+    };
     let pl = plan(
         &problem,
         &DeviceView {
             sms: limits.sms,
             clusters: limits.clusters,
             loop_fit: &fit,
+            bulk_fit: &bulk_fit,
         },
     );
     params.tpr = i64::from(pl.tpr);
@@ -502,6 +590,11 @@ mod tests {
         move |smem| (if smem > 100_000 { 1 } else { 2 }, room)
     }
 
+    /// A device whose driver cannot say how many bulk clusters are resident.
+    fn no_bulk(_: u32, _: u32, _: u64) -> (u32, u64) {
+        (0, 227 * 1024)
+    }
+
     fn problem(backward: bool, elem: u64, outer: u64, dim: u64, inner: u64) -> Problem {
         Problem {
             backward,
@@ -524,7 +617,11 @@ mod tests {
         let names = kernel_names();
         // Forward: 4 vector + 2 scalar rows kernels, loop, 3 split, cols for 5 type pairs;
         // backward the same, less V = 8 for the two 16-bit pairs.
-        assert_eq!(names.len(), 5 * 11 + 5 * 11 - 2);
+        // Bulk kernels for the two 16-bit pairs: three forward, one backward.
+        assert_eq!(names.len(), 5 * 11 + 5 * 11 - 2 + 2 * 4);
+        assert!(names.contains(&"graft_softmax_fwd_bulk4_f16".to_string()));
+        assert!(names.contains(&"graft_softmax_bwd_bulk8_bf16".to_string()));
+        assert!(wants_large_smem("graft_softmax_bwd_bulk8_f16"));
         assert!(names.contains(&"graft_softmax_bwd_split8_f32_f16".to_string()));
         assert!(wants_large_smem("graft_softmax_fwd_split2_bf16"));
         assert!(names.contains(&"graft_softmax_fwd_rows_v8_f16_f32".to_string()));
@@ -542,6 +639,7 @@ mod tests {
             sms: 132,
             clusters: true,
             loop_fit: &fit,
+            bulk_fit: &no_bulk,
         };
         // 4096 bf16 = 512 units: V=4, 128 threads per row, two rows per block.
         let pl = plan(&problem(false, 2, 1000, 4096, 1), &dev);
@@ -617,12 +715,87 @@ mod tests {
     }
 
     #[test]
+    fn wide_16_bit_rows_take_the_bulk_kernels() {
+        let fit = view(227 * 1024);
+        // Clusters resident by each block's shared memory, as an H100 reported them for
+        // clusters of 8.
+        let bulk_fit = |_, _, smem: u64| (if smem > 100_000 { 15 } else { 45 }, 227 * 1024);
+        let dev = DeviceView {
+            sms: 132,
+            clusters: true,
+            loop_fit: &fit,
+            bulk_fit: &bulk_fit,
+        };
+        let bulk = Body::Bulk { c: 8 };
+        // 65536 bf16: 16 KB of dy and y a block, two buffers: 64 KB; 45 clusters of 8.
+        let pl = plan(&problem(true, 2, 1000, 65536, 1), &dev);
+        assert_eq!(
+            (pl.body, pl.smem, pl.block, pl.grid),
+            (bulk, 65536, 256, 360)
+        );
+        // Fewer rows than resident clusters: a cluster per row.
+        let pl = plan(&problem(true, 2, 3, 65536, 1), &dev);
+        assert_eq!((pl.body, pl.grid), (bulk, 24));
+        // 131072: 128 KB of buffers, 15 clusters.
+        let pl = plan(&problem(true, 2, 1000, 131072, 1), &dev);
+        assert_eq!((pl.body, pl.smem, pl.grid), (bulk, 131072, 120));
+        // 262144: the buffers would need 256 KB; split kernels.
+        let pl = plan(&problem(true, 2, 1000, 262144, 1), &dev);
+        assert_eq!(pl.body, Body::Split { c: 8 });
+        // Rows one block keeps whole, float32, odd widths, and devices without clusters or
+        // an answer from the driver keep their kernels.
+        assert_eq!(plan(&problem(true, 2, 10, 32768, 1), &dev).body, Body::Loop);
+        let mut f32_rows = problem(true, 4, 10, 65536, 1);
+        f32_rows.fast_exp = false;
+        assert_eq!(plan(&f32_rows, &dev).body, Body::Split { c: 8 });
+        // The forward: clusters of the split kernels' size, 512 threads (256 in pairs).
+        let pl = plan(&problem(false, 2, 1000, 65536, 1), &dev);
+        let (two, eight) = (Body::Bulk { c: 2 }, Body::Bulk { c: 8 });
+        assert_eq!(
+            (pl.body, pl.smem, pl.block, pl.grid),
+            (two, 131072, 256, 30)
+        );
+        let pl = plan(&problem(false, 2, 1000, 262144, 1), &dev);
+        assert_eq!(
+            (pl.body, pl.smem, pl.block, pl.grid),
+            (eight, 131072, 512, 120)
+        );
+        assert_eq!(
+            plan(&problem(false, 2, 10, 32768, 1), &dev).body,
+            Body::Loop
+        );
+        let mut f32_rows = problem(false, 4, 10, 65536, 1);
+        f32_rows.fast_exp = false;
+        assert_eq!(plan(&f32_rows, &dev).body, Body::Split { c: 4 });
+        let mut odd = problem(true, 2, 10, 65537, 1);
+        odd.vec = false;
+        assert_eq!(plan(&odd, &dev).body, Body::Split { c: 8 });
+        let no_clusters = DeviceView {
+            clusters: false,
+            ..dev
+        };
+        assert_eq!(
+            plan(&problem(true, 2, 10, 65536, 1), &no_clusters).body,
+            Body::Loop
+        );
+        let unknown = DeviceView {
+            bulk_fit: &no_bulk,
+            ..dev
+        };
+        assert_eq!(
+            plan(&problem(true, 2, 10, 65536, 1), &unknown).body,
+            Body::Split { c: 4 }
+        );
+    }
+
+    #[test]
     fn small_widths_share_warps() {
         let fit = view(227 * 1024);
         let dev = DeviceView {
             sms: 132,
             clusters: true,
             loop_fit: &fit,
+            bulk_fit: &no_bulk,
         };
         let pl = plan(&problem(false, 4, 5000, 10, 1), &dev);
         assert!(matches!(pl.body, Body::Rows { .. }));
@@ -637,6 +810,7 @@ mod tests {
             sms: 132,
             clusters: true,
             loop_fit: &fit,
+            bulk_fit: &no_bulk,
         };
         let pl = plan(&problem(false, 4, 8, 1000, 4096), &dev);
         assert_eq!(
