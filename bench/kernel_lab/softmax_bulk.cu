@@ -20,59 +20,20 @@
 // 2^(v log2 e - (m log2 e + log2 s)) with one fma.
 #include "softmax.cu"
 namespace graft_bulk {
-__device__ __forceinline__ float fex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
+// The primitives are kernels/common.cuh's (mbarriers, bulk copies, st.async, exp2_ftz).
+using graft_common::bulk_copy_to_shared;
+using graft_common::exp2_ftz;
+using graft_common::fence_async_shared;
+using graft_common::mbarrier_expect_bytes;
+using graft_common::mbarrier_init;
+using graft_common::mbarrier_wait;
+using graft_common::push_pair_to_rank;
 using graft_softmax::Params;
 using TI = __nv_bfloat16;
 using A = float;
 constexpr int N = 8;
 using Pk = graft_common::Pack<TI>;
 
-__device__ __forceinline__ unsigned saddr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes,
-                                          unsigned long long* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(saddr(dst)),
-      "l"(src), "r"(bytes), "r"(saddr(bar))
-      : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred P1;\n LAB_WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      " @P1 bra DONE;\n bra LAB_WAIT;\n DONE:\n}" ::"r"(saddr(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void fence_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned remote(const void* local, unsigned rank) {
-  return graft_common::cluster_address(local, rank);
-}
-__device__ __forceinline__ void push2(unsigned dst, float a, float b, unsigned bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
-          dst),
-      "f"(a), "f"(b), "r"(bar)
-      : "memory");
-}
 // Every block of the cluster sends its (a, b) to every block's slots[par][rank]; returns once
 // this block has all C pairs (lane l of each warp holds block l's pair, others the identity).
 template <int C>
@@ -80,10 +41,10 @@ __device__ __forceinline__ void exchange(float& a, float& b, float (*slots)[8][2
                                          unsigned long long* xbar, int i, float ida, float idb) {
   const int par = i & 1;
   const unsigned rank = graft_common::cluster_rank();
-  if (threadIdx.x == 0) mbar_expect(&xbar[par], C * 8);
+  if (threadIdx.x == 0) mbarrier_expect_bytes(&xbar[par], C * 8);
   if (threadIdx.x < C)
-    push2(remote(&slots[par][rank][0], threadIdx.x), a, b, remote(&xbar[par], threadIdx.x));
-  mbar_wait(&xbar[par], (i >> 1) & 1);
+    push_pair_to_rank(&slots[par][rank][0], threadIdx.x, a, b, &xbar[par]);
+  mbarrier_wait(&xbar[par], (i >> 1) & 1);
   const unsigned lane = threadIdx.x & 31;
   a = lane < C ? slots[par][lane][0] : ida;
   b = lane < C ? slots[par][lane][1] : idb;
@@ -111,10 +72,10 @@ __device__ __forceinline__ void bulk(const Params& p) {
   const bool log_softmax = p.log != 0;
   long long row = blockIdx.x / C;
   if (t == 0) {
-    mbar_init(&bars[0]);
-    mbar_init(&bars[1]);
-    mbar_init(&xbar[0]);
-    mbar_init(&xbar[1]);
+    mbarrier_init(&bars[0]);
+    mbarrier_init(&bars[1]);
+    mbarrier_init(&xbar[0]);
+    mbarrier_init(&xbar[1]);
   }
   __syncthreads();
   if constexpr (C > 1) graft_common::cluster_arrive();
@@ -123,11 +84,11 @@ __device__ __forceinline__ void bulk(const Params& p) {
     graft_common::cluster_arrive();
   }
   auto issue = [&](long long r, int b) {
-    mbar_expect(&bars[b], bytes * ARR);
-    bulk_load(bufs + (b * ARR) * per, static_cast<const TI*>(p.in0) + r * cols + lo * N, bytes,
+    mbarrier_expect_bytes(&bars[b], bytes * ARR);
+    bulk_copy_to_shared(bufs + (b * ARR) * per, static_cast<const TI*>(p.in0) + r * cols + lo * N, bytes,
               &bars[b]);
     if (BWD)
-      bulk_load(bufs + (b * ARR + 1) * per, static_cast<const TI*>(p.in1) + r * cols + lo * N,
+      bulk_copy_to_shared(bufs + (b * ARR + 1) * per, static_cast<const TI*>(p.in1) + r * cols + lo * N,
                 bytes, &bars[b]);
   };
   if (t == 0 && row < p.outer) issue(row, 0);
@@ -135,10 +96,10 @@ __device__ __forceinline__ void bulk(const Params& p) {
   for (int i = 0; row < p.outer; ++i, row += stride) {
     const int b = i & 1;
     if (t == 0 && row + stride < p.outer) {
-      fence_async();
+      fence_async_shared();
       issue(row + stride, b ^ 1);
     }
-    mbar_wait(&bars[b], (i >> 1) & 1);
+    mbarrier_wait(&bars[b], (i >> 1) & 1);
     const Pk* s0 = bufs + (b * ARR) * per;
     if constexpr (!BWD) {
       A m = graft_softmax::neg_inf<A>(), s = A(0);
@@ -157,7 +118,7 @@ __device__ __forceinline__ void bulk(const Params& p) {
           const Pk raw = s0[j];
 #pragma unroll
           for (int e = 0; e < N; ++e)
-            s += FEX ? fex2(fmaf(graft_common::to_acc(raw.v[e]), graft_softmax::kLog2e, shift))
+            s += FEX ? exp2_ftz(fmaf(graft_common::to_acc(raw.v[e]), graft_softmax::kLog2e, shift))
                      : exp2f(fmaf(graft_common::to_acc(raw.v[e]), graft_softmax::kLog2e, shift));
         }
         s = graft_common::group_reduce(s, nt, red_s[parity], graft_common::SumOp());
@@ -213,7 +174,7 @@ __device__ __forceinline__ void bulk(const Params& p) {
         for (int e = 0; e < N; ++e) {
           const A v = graft_common::to_acc(raw.v[e]);
           if constexpr (FEX)
-            o[e] = log_softmax ? (v - m) - log_s : fex2(fmaf(v, graft_softmax::kLog2e, off));
+            o[e] = log_softmax ? (v - m) - log_s : exp2_ftz(fmaf(v, graft_softmax::kLog2e, off));
           else
             o[e] = log_softmax ? (v - m) - log_s
                                : exp2f(fmaf(v - m, graft_softmax::kLog2e, -log2_s));
