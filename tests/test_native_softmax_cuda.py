@@ -361,7 +361,8 @@ POLICY_CASES = {
     "bf16 log_softmax 1024": ("log_softmax", torch.bfloat16, (64, 1024), -1, True, True),
     "bf16 log_softmax 16384": ("log_softmax", torch.bfloat16, (16, 16384), -1, True, False),
     "bf16 log_softmax 32768": ("log_softmax", torch.bfloat16, (8, 32768), -1, True, True),
-    "bf16 log_softmax 262144": ("log_softmax", torch.bfloat16, (2, 262144), -1, True, False),
+    "bf16 log_softmax 262144": ("log_softmax", torch.bfloat16, (2, 262144), -1, True, True),
+    "bf16 log_softmax 524288": ("log_softmax", torch.bfloat16, (1, 524288), -1, True, False),
 }
 
 

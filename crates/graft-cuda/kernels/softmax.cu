@@ -919,7 +919,7 @@ __device__ __forceinline__ void bwd_cols(const Params& p) {
 // Entry points, named as src/softmax.rs builds the names:
 //   graft_softmax_{fwd,bwd}_rows_{v,s}{V}_{tag}  graft_softmax_{fwd,bwd}_{loop,cols}_{tag}
 //   graft_softmax_{fwd,bwd}_split{C}_{tag} (C = 2, 4, 8)
-//   graft_softmax_fwd_bulk{C}_{f16,bf16} (C = 2, 4, 8)  graft_softmax_bwd_bulk8_{f16,bf16}
+//   graft_softmax_fwd_bulk{C}_{f16,bf16} (C = 2, 4, 8)  graft_softmax_bwd_bulk{8,16}_{f16,bf16}
 // tag: f32 f64 f16 bf16, and f16_f32 (forward, half_to_float) / f32_f16 (its backward);
 // vector kernels (_v) for V = 1, 2, 4, 8 (backward of 16-bit types: 1, 2, 4), scalar kernels
 // (_s: odd widths, unaligned pointers) for V = 1, 2; the loop kernels take wider rows.
@@ -987,7 +987,8 @@ __device__ __forceinline__ void bwd_cols(const Params& p) {
     graft_softmax::bwd_cols<TG, TD>(p);                                                     \
   }
 
-// Bulk kernels, 16-bit types: the forward in clusters of 2, 4 and 8, the backward of 8.
+// Bulk kernels, 16-bit types: the forward in clusters of 2, 4 and 8, the backward of 8 and 16
+// (a non-portable size: src/device.rs allows it on load).
 #define GRAFT_SOFTMAX_BULK(NAME, DIR, T, C)                                                  \
   extern "C" __global__ void __launch_bounds__(graft_softmax::kFwdLoopThreads, 1)           \
       GRAFT_CLUSTER_DIMS(C) NAME(const graft_softmax::Params p) {                           \
@@ -997,7 +998,8 @@ __device__ __forceinline__ void bwd_cols(const Params& p) {
   GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk2_##TAG, fwd, T, 2)                              \
   GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk4_##TAG, fwd, T, 4)                              \
   GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk8_##TAG, fwd, T, 8)                              \
-  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk8_##TAG, bwd, T, 8)
+  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk8_##TAG, bwd, T, 8)                              \
+  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk16_##TAG, bwd, T, 16)
 
 GRAFT_SOFTMAX_FWD(f32, float, float)
 GRAFT_SOFTMAX_FWD(f64, double, double)

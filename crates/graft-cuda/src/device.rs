@@ -256,6 +256,19 @@ fn load(api: &'static Api, ordinal: i32, ctx: CuContext) -> Result<DeviceState, 
             };
             api.check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", r)?;
         }
+        // Softmax's widest backward runs in clusters of 16. The answer is not checked: where
+        // the driver refuses, its occupancy query finds no such cluster resident and the rows
+        // go to the split kernels.
+        if limits.clusters && crate::softmax::wants_large_cluster(name) {
+            // SAFETY: f is a valid function handle; the attribute takes 0 or 1.
+            let _ = unsafe {
+                (api.cu_func_set_attribute)(
+                    f,
+                    driver::FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+            };
+        }
         local_bytes.push(func_attribute(api, f, driver::FUNC_ATTR_LOCAL_SIZE_BYTES)?);
         functions.push(f);
         attrs.push(k);

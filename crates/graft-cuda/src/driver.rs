@@ -50,6 +50,7 @@ pub(crate) const FUNC_ATTR_SHARED_SIZE_BYTES: c_int = 1;
 pub(crate) const FUNC_ATTR_LOCAL_SIZE_BYTES: c_int = 3;
 pub(crate) const FUNC_ATTR_NUM_REGS: c_int = 4;
 pub(crate) const FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+pub(crate) const FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: c_int = 14;
 
 /// `CUlaunchConfig`, for [`Api::cu_occupancy_max_active_clusters`] (no launch attributes: the
 /// kernels asked about declare their cluster size).

@@ -116,15 +116,16 @@ const SLICE_BYTES: u64 = 64 << 10;
 const BWD_WHOLE_ROW_BYTES: u64 = 128 << 10;
 /// Cluster sizes of the split kernels.
 const SPLITS: [u64; 3] = [2, 4, 8];
-/// The backward bulk kernel's cluster and block size (H100, bf16 softmax backward,
-/// bench/kernel_lab/softmax_bulk_sweep.py, fraction of copy: 65536 wide 0.93 with 8 blocks of
-/// 256 threads, 0.93 with 4 of 512; 131072 wide 0.92 with 8 of 256, against 0.89 and 0.84 for
-/// the split kernels). The forward's take the split kernels' cluster sizes (slices of at most
-/// 64 KB) and 512 threads, 256 in clusters of two (same lab, forward softmax / log-softmax:
-/// 65536 wide 0.91 / 0.92 in two blocks of 256, 131072 0.93 / 0.92 in four of 512, 262144
-/// 0.93 / 0.93 in eight of 512, against 0.85 / 0.89, 0.81 / 0.84 and 0.78 / 0.81 split).
-const BWD_BULK_CLUSTER: u64 = 8;
-const BWD_BULK_THREADS: u32 = 256;
+/// The backward bulk kernels' (cluster, block) sizes, the first whose buffers fit (H100, bf16
+/// softmax backward, bench/kernel_lab/softmax_bulk_sweep.py, fraction of copy: 65536 wide 0.93
+/// with 8 blocks of 256 threads, 0.93 with 4 of 512; 131072 wide 0.92 with 8 of 256, against
+/// 0.89 and 0.84 for the split kernels; 262144 wide, whose buffers need clusters of 16, a
+/// non-portable size of which an H100 fits 7: 0.98-0.99 against 0.73-0.76). The forward's
+/// take the split kernels' cluster sizes (slices of at most 64 KB) and 512 threads, 256 in
+/// clusters of two (same lab, forward softmax / log-softmax: 65536 wide 0.91 / 0.92 in two
+/// blocks of 256, 131072 0.93 / 0.92 in four of 512, 262144 0.93 / 0.93 in eight of 512,
+/// against 0.85 / 0.89, 0.81 / 0.84 and 0.78 / 0.81 split).
+const BWD_BULK_SHAPES: [(u64, u32); 2] = [(8, 256), (16, 256)];
 /// Preferred units per thread of the rows kernels.
 const PREF_V: u32 = 4;
 /// Threads per block the rows kernels aim for.
@@ -219,18 +220,24 @@ pub(crate) fn kernel_names() -> Vec<String> {
             }
             out.push(name(dir, Body::Cols, t));
             if t == "f16" || t == "bf16" {
-                let sizes: &[u64] = if dir == "bwd" {
-                    &[BWD_BULK_CLUSTER]
+                let sizes: Vec<u64> = if dir == "bwd" {
+                    BWD_BULK_SHAPES.iter().map(|&(c, _)| c).collect()
                 } else {
-                    &SPLITS
+                    SPLITS.to_vec()
                 };
-                for &c in sizes {
+                for c in sizes {
                     out.push(name(dir, Body::Bulk { c: c as u32 }, t));
                 }
             }
         }
     }
     out
+}
+
+/// Whether kernel `name` runs in clusters of more than 8 blocks, a size the driver allows
+/// only when asked (the backward bulk kernels of 16).
+pub(crate) fn wants_large_cluster(name: &str) -> bool {
+    name.starts_with("graft_softmax_bwd_bulk16_")
 }
 
 /// Whether kernel `name` may be given the device's whole shared memory (the loop, split and
@@ -376,13 +383,16 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
         split.unwrap_or(SPLITS[SPLITS.len() - 1])
     };
     if p.fast_exp && p.vec && c > 1 {
-        let shape = match (p.backward, split) {
-            (true, _) => Some((BWD_BULK_CLUSTER, BWD_BULK_THREADS)),
-            (false, Some(2)) => Some((2, SLICE_THREADS)),
-            (false, Some(c)) => Some((c, LOOP_THREADS)),
-            (false, None) => None,
+        let shapes: &[(u64, u32)] = match (p.backward, split) {
+            (true, _) => &BWD_BULK_SHAPES,
+            (false, Some(2)) => &[(2, SLICE_THREADS)],
+            (false, Some(c)) => &[(c, LOOP_THREADS)],
+            (false, None) => &[],
         };
-        if let Some(pl) = shape.and_then(|(c, t)| plan_bulk(p, c, t, slice(c), dev)) {
+        let bulk = shapes
+            .iter()
+            .find_map(|&(c, t)| plan_bulk(p, c, t, slice(c), dev));
+        if let Some(pl) = bulk {
             return pl;
         }
     }
@@ -617,8 +627,10 @@ mod tests {
         let names = kernel_names();
         // Forward: 4 vector + 2 scalar rows kernels, loop, 3 split, cols for 5 type pairs;
         // backward the same, less V = 8 for the two 16-bit pairs.
-        // Bulk kernels for the two 16-bit pairs: three forward, one backward.
-        assert_eq!(names.len(), 5 * 11 + 5 * 11 - 2 + 2 * 4);
+        // Bulk kernels for the two 16-bit pairs: three forward, two backward.
+        assert_eq!(names.len(), 5 * 11 + 5 * 11 - 2 + 2 * 5);
+        assert!(wants_large_cluster("graft_softmax_bwd_bulk16_bf16"));
+        assert!(!wants_large_cluster("graft_softmax_bwd_bulk8_bf16"));
         assert!(names.contains(&"graft_softmax_fwd_bulk4_f16".to_string()));
         assert!(names.contains(&"graft_softmax_bwd_bulk8_bf16".to_string()));
         assert!(wants_large_smem("graft_softmax_bwd_bulk8_f16"));
@@ -739,9 +751,13 @@ mod tests {
         // 131072: 128 KB of buffers, 15 clusters.
         let pl = plan(&problem(true, 2, 1000, 131072, 1), &dev);
         assert_eq!((pl.body, pl.smem, pl.grid), (bulk, 131072, 120));
-        // 262144: the buffers would need 256 KB; split kernels.
+        // 262144: clusters of 8 would need 256 KB of buffers; clusters of 16, 128 KB.
         let pl = plan(&problem(true, 2, 1000, 262144, 1), &dev);
-        assert_eq!(pl.body, Body::Split { c: 8 });
+        let sixteen = Body::Bulk { c: 16 };
+        assert_eq!((pl.body, pl.smem, pl.grid), (sixteen, 131072, 240));
+        // 524288: not even those (nor a split block's share): read twice by the loop kernel.
+        let pl = plan(&problem(true, 2, 1000, 524288, 1), &dev);
+        assert_eq!((pl.body, pl.stage), (Body::Loop, false));
         // Rows one block keeps whole, float32, odd widths, and devices without clusters or
         // an answer from the driver keep their kernels.
         assert_eq!(plan(&problem(true, 2, 10, 32768, 1), &dev).body, Body::Loop);
