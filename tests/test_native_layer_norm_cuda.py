@@ -25,7 +25,7 @@ FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 A = torch.ops.aten
 FWD, BWD = "native/aten::native_layer_norm/CUDA", "native/aten::native_layer_norm_backward/CUDA"
-HIDDEN = [1, 7, 64, 768, 1000, 4096, 5120, 8192, 16384, 16387, 32768, 65536]
+HIDDEN = [1, 7, 64, 768, 1000, 2056, 4096, 5120, 8192, 16384, 16387, 32768, 65536]
 
 
 @pytest.fixture(autouse=True)
@@ -115,16 +115,19 @@ def test_misaligned_and_odd_take_the_scalar_kernels(dtype):
     check(x, [1024], None, None, dtype, (True, False, False))
 
 
-def test_close_to_aten_and_deterministic():
-    x = randn(8192, 4096, dtype=torch.bfloat16, shift=1.0)
-    w, b = randn(4096, dtype=torch.bfloat16, shift=1.0), randn(4096, dtype=torch.bfloat16)
-    dy = randn(8192, 4096, dtype=torch.bfloat16)
-    want = A.native_layer_norm(x, [4096], w, b, 1e-5)
-    want_b = A.native_layer_norm_backward(dy, x, [4096], want[1], want[2], w, b, [True] * 3)
+# 4096: the staged forward and the rows backward; 8192: the bulk backward (clusters).
+@pytest.mark.parametrize("hidden", [4096, 8192])
+def test_close_to_aten_and_deterministic(hidden):
+    x = randn(8192, hidden, dtype=torch.bfloat16, shift=1.0)
+    w, b = randn(hidden, dtype=torch.bfloat16, shift=1.0), randn(hidden, dtype=torch.bfloat16)
+    dy = randn(8192, hidden, dtype=torch.bfloat16)
+    ns = [hidden]
+    want = A.native_layer_norm(x, ns, w, b, 1e-5)
+    want_b = A.native_layer_norm_backward(dy, x, ns, want[1], want[2], w, b, [True] * 3)
     with torchgraft.enabled():
-        got = A.native_layer_norm(x, [4096], w, b, 1e-5)
-        got_b = A.native_layer_norm_backward(dy, x, [4096], want[1], want[2], w, b, [True] * 3)
-        again = A.native_layer_norm_backward(dy, x, [4096], want[1], want[2], w, b, [True] * 3)
+        got = A.native_layer_norm(x, ns, w, b, 1e-5)
+        got_b = A.native_layer_norm_backward(dy, x, ns, want[1], want[2], w, b, [True] * 3)
+        again = A.native_layer_norm_backward(dy, x, ns, want[1], want[2], w, b, [True] * 3)
     assert rel_err(got[0], want[0]) < 8e-3 and rel_err(got[1], want[1]) < 1e-6
     for g, t in zip(got_b, want_b, strict=True):
         assert rel_err(g, t) < 1e-2

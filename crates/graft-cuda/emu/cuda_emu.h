@@ -7,6 +7,10 @@
 // running block. __syncthreads is a block barrier; a shuffle is an exchange through a
 // per-warp buffer between two warp barriers. Memory is host memory. This checks indexing,
 // coverage, reductions and numerics, not timing or the memory model.
+//
+// The run scripts build with -fno-strict-aliasing: the kernels move 16-byte units through
+// other types (a unit of halves stored as a uint4), as CUDA code does, and g++ -O2 may drop
+// such stores otherwise (it did for the staged LayerNorm forward).
 #pragma once
 
 #include <ucontext.h>

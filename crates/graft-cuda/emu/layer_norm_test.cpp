@@ -1,9 +1,9 @@
 // Runs the kernels of kernels/layer_norm.cu on the CPU (cuda_emu.h): every dtype, the rows
 // kernels at every V (vector and scalar, sub-warp and multi-warp row groups, several rows per
-// block, grid-stride loops), the loop kernels, weight and bias present or not, dx / dw / db
-// alone or together through the finalize kernel. Outputs are poisoned with NaN first; results
-// are compared with a float64 reference. Build and run with emu/run_layer_norm.sh. Exit status
-// 1 on any mismatch.
+// block, grid-stride loops), the loop kernels, the staged forward, the bulk backward (clusters
+// of one block), weight and bias present or not, dx / dw / db alone or together through the
+// finalize kernel. Outputs are poisoned with NaN first; results are compared with a float64
+// reference. Build and run with emu/run_layer_norm.sh. Exit status 1 on any mismatch.
 
 #include <dlfcn.h>
 
@@ -253,6 +253,15 @@ void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bo
   }
 }
 
+// The bulk backward with clusters of one block, the emulator's (V = 2): the persistent walk
+// over rows with two buffers, the partial row per cluster.
+extern "C" void graft_ln_bwd_bulk1_f16(const Params p) {
+  graft_layer_norm::bwd_bulk<__half, 1, 2>(p);
+}
+extern "C" void graft_ln_bwd_bulk1_bf16(const Params p) {
+  graft_layer_norm::bwd_bulk<__nv_bfloat16, 1, 2>(p);
+}
+
 void cases(DT d) {
   const long N = long(16 / dt_size(d));
   const long widths[] = {1, 3, 8, 17, 64, 100, 256, 1000, 2048};
@@ -292,6 +301,33 @@ void cases(DT d) {
         Launch fl{std::string("graft_ln_fwd_loop_") + tag(d), 2, block, block, 1, vec, 0, false};
         Launch bl{std::string("graft_ln_bwd_loop_") + tag(d), 2, block, block, 1, vec, 0, false};
         for (int mask : {3, 1, 2}) run_case(d, 5, cols, fl, bl, mask != 2, mask != 1, mask);
+      }
+    }
+  }
+  // The staged forward (16-bit rows of 16-byte units), blocks of fewer and more threads than
+  // units, a grid-stride loop over 5 rows; the loop kernel's backward after it.
+  if (dt_size(d) != 2) return;
+  for (long cols : {8L, 64L, 1000L, 2048L, 5000L}) {
+    for (unsigned block : {32u, 64u, 256u}) {
+      const size_t smem = size_t(cols / N) * 16;
+      const std::string staged = std::string("graft_ln_fwd_staged_") + tag(d);
+      Launch fl{staged, 2, block, block, 1, true, smem, false};
+      Launch bl{std::string("graft_ln_bwd_loop_") + tag(d), 2, block, block, 1, true, 0, false};
+      for (int mask : {3, 1}) run_case(d, 5, cols, fl, bl, mask != 2, mask != 1, mask);
+    }
+  }
+  // The bulk backward: slices of fewer units than two a thread, and exactly as many; grids
+  // smaller and larger than the rows; dx, the sums, or both.
+  for (long cols : {8L, 200L, 1024L}) {
+    for (unsigned block : {32u, 64u}) {
+      if (cols / N > 2 * long(block)) continue;
+      for (unsigned grid : {1u, 3u, 9u}) {
+        const size_t smem = 4 * size_t(cols / N) * 16;
+        const std::string staged = std::string("graft_ln_fwd_staged_") + tag(d);
+        const std::string bulk = std::string("graft_ln_bwd_bulk1_") + tag(d);
+        Launch fl{staged, 2, block, block, 1, true, smem / 4, false};
+        Launch bl{bulk, grid, block, block, 1, true, smem, false};
+        for (int mask : {3, 1, 2}) run_case(d, 7, cols, fl, bl, mask != 2, mask != 1, mask);
       }
     }
   }

@@ -157,6 +157,13 @@ __device__ __forceinline__ void copy_async_wait_all_but_one() {
 #endif
 }
 
+// Waits until all of this thread's copies have landed.
+__device__ __forceinline__ void copy_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // L2 eviction priorities for 16-byte accesses (sm_80+; plain accesses where the hints do not
 // exist, e.g. the CPU emulator): data read now and again soon stays (`evict_last`); data read
 // or written for the last time goes first (`evict_first`); `evict_normal` is the default. A
@@ -461,5 +468,90 @@ __device__ __forceinline__ long long grid_threads() {
 __device__ __forceinline__ long long thread_index() {
   return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }
+
+// ---------------------------------------------------------------------------------------
+// Rows split over a thread-block cluster (the softmax and LayerNorm bulk kernels).
+
+// The units [lo, hi) of a row that block `rank` of a cluster of C owns.
+template <int C>
+struct Slice {
+  long long lo, hi;
+  __device__ __forceinline__ Slice(long long nunits) {
+    const long long per = (nunits + C - 1) / C;
+    const long long rank = C > 1 ? (long long)graft_common::cluster_rank() : 0;
+    lo = rank * per < nunits ? rank * per : nunits;
+    hi = lo + per < nunits ? lo + per : nunits;
+  }
+};
+
+// Barriers and slots of a bulk kernel's block, and the start and end of its walk.
+template <int C>
+struct BulkSync {
+  struct alignas(8) Slot {
+    float a, b;  // st.async stores 8 aligned bytes
+  };
+  unsigned long long loaded[2];    // mbarriers, by buffer
+  unsigned long long received[2];  // mbarriers, by row parity
+  Slot slots[2][C];                // [parity][rank]
+
+  __device__ __forceinline__ void start() {
+    if (threadIdx.x == 0) {
+      for (int b = 0; b < 2; ++b) {
+        graft_common::mbarrier_init(&loaded[b]);
+        graft_common::mbarrier_init(&received[b]);
+      }
+    }
+    __syncthreads();
+    // No block pushes a partial before every block's mbarriers are initialised.
+    if constexpr (C > 1) {
+      graft_common::cluster_arrive();
+      graft_common::cluster_wait();
+    }
+  }
+  // No block exits while a peer's st.async may still be writing to it.
+  __device__ __forceinline__ void finish() {
+    if constexpr (C > 1) {
+      graft_common::cluster_arrive();
+      graft_common::cluster_wait();
+    }
+  }
+  // Walks the block's rows of a persistent grid of clusters: row blockIdx.x / C, then every
+  // (gridDim.x / C)th. Thread 0 calls `fetch(row, b)` to start the bulk copies of a row's slice
+  // into buffer b, completing on loaded[b], one row ahead; `body(row, b, i)` then runs on row
+  // number i of the walk, in buffer b = i & 1.
+  template <typename Fetch, typename Body>
+  __device__ __forceinline__ void walk(long long rows, Fetch fetch, Body body) {
+    const long long clusters = gridDim.x / C;
+    long long row = blockIdx.x / C;
+    start();
+    if (threadIdx.x == 0 && row < rows) fetch(row, 0);
+    for (long long i = 0; row < rows; ++i, row += clusters) {
+      const int b = int(i & 1);
+      if (threadIdx.x == 0 && row + clusters < rows) {
+        graft_common::fence_async_shared();  // the buffer's reads (two rows back) come first
+        fetch(row + clusters, b ^ 1);
+      }
+      graft_common::mbarrier_wait(&loaded[b], unsigned(i >> 1) & 1u);
+      body(row, b, i);
+      __syncthreads();  // buffer b is read: the next row's copy may overwrite it
+    }
+    finish();
+  }
+  // Sends this block's (a, b) for row number i to every block of the cluster; returns with
+  // lane l of every warp holding block l's pair (lanes from C on hold (ida, idb)).
+  __device__ __forceinline__ void exchange(float& a, float& b, long long i, float ida,
+                                           float idb) {
+    const int par = int(i & 1);
+    if (threadIdx.x == 0) graft_common::mbarrier_expect_bytes(&received[par], C * 8);
+    if (threadIdx.x < C) {
+      graft_common::push_pair_to_rank(&slots[par][graft_common::cluster_rank()].a, threadIdx.x,
+                                      a, b, &received[par]);
+    }
+    graft_common::mbarrier_wait(&received[par], unsigned(i >> 1) & 1u);
+    const unsigned lane = threadIdx.x & 31;
+    a = lane < C ? slots[par][lane].a : ida;
+    b = lane < C ? slots[par][lane].b : idb;
+  }
+};
 
 }  // namespace graft_common

@@ -18,6 +18,10 @@
 //                    units of the block's next x and dy rows into shared memory (cp.async)
 //                    while the current row computes: the loads stay in flight through the
 //                    row's reduction and stores.
+//   fwd_staged       16-bit rows of 16-byte units (2048 to 16384 columns): one row per block at
+//                    a time, copied into shared memory (cp.async) and read back twice, for the
+//                    shifted sums and for y. An SM keeps as many rows in flight as its shared
+//                    memory holds.
 //   *_loop           any cols: one row per block at a time. Forward: shifted sums (around the
 //                    row's first element) in one pass, the output in a second. Backward: the
 //                    row's sums, then dx, adding dw and db into the block's partial row.
@@ -34,14 +38,17 @@
 namespace graft_layer_norm {
 
 using graft_common::Acc;
+using graft_common::BulkSync;
 using graft_common::copy_async;
 using graft_common::copy_async_commit;
+using graft_common::copy_async_wait_all;
 using graft_common::copy_async_wait_all_but_one;
 using graft_common::from_acc;
 using graft_common::group_reduce;
 using graft_common::group_sum_pair;
 using graft_common::load_unit;
 using graft_common::Pack;
+using graft_common::Slice;
 using graft_common::store_unit;
 using graft_common::SumOp;
 using graft_common::to_acc;
@@ -77,6 +84,14 @@ struct FinalizeParams {
 };
 
 constexpr int kLoopThreads = 512;
+// The bulk backward: clusters of kBulkCluster blocks of kBulkThreads threads, kBulkUnits
+// units a thread (src/layer_norm.rs mirrors these), four blocks an SM.
+constexpr int kBulkCluster = 4;
+constexpr int kBulkThreads = 128;
+constexpr int kBulkUnits = 2;
+// Launch bounds of the staged forward (32 registers).
+constexpr int kStagedThreads = 512;
+constexpr int kStagedMinBlocks = 4;
 
 __device__ __forceinline__ float rsqrt_acc(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double rsqrt_acc(double v) { return 1.0 / sqrt(v); }
@@ -405,6 +420,118 @@ __device__ __forceinline__ void bwd_rows(const Params& p) {
   }
 }
 
+// Bulk backward (16-bit rows of 16-byte units, sm_90+): a persistent grid of clusters of C
+// blocks, no more than can be resident at once, walks rows r, r + clusters, ...; block `rank`
+// owns the same slice of each, V units a thread. One thread fetches the block's slice of the
+// next row's x and dy with bulk copies while the current row computes (BulkSync::walk); the
+// row's two sums go to every block of the cluster by st.async (BulkSync::exchange). Each
+// block keeps dw and db of its slice's columns and writes them into its cluster's partial
+// row: four blocks an SM fit where one block holding a whole row of 8192 columns fits one.
+template <typename T, int C, int V>
+__device__ __forceinline__ void bwd_bulk(const Params& p) {
+  static_assert(sizeof(T) == 2, "16-bit inputs");
+  using A = float;
+  constexpr int N = Units<T>::N;
+  __shared__ BulkSync<C> sync;
+  __shared__ A red[2][2][32];
+  GRAFT_DYN_SMEM(dyn_smem);
+  const int nt = blockDim.x, t = threadIdx.x;
+  const long long cols = p.cols;
+  const Slice<C> slice(cols / N);
+  const long long lo = slice.lo, len = slice.hi - slice.lo;
+  const long long per = (cols / N + C - 1) / C;  // units between the buffers' arrays
+  const unsigned bytes = unsigned(len * 16);
+  Pack<T>* staged = reinterpret_cast<Pack<T>*>(dyn_smem);  // [buffer][x, dy][per units]
+  const T* x = static_cast<const T*>(p.x) + lo * N;
+  const T* dy = static_cast<const T*>(p.dy) + lo * N;
+  const T* w = p.w ? static_cast<const T*>(p.w) + lo * N : nullptr;
+  const A* __restrict__ means = static_cast<const A*>(p.mean);
+  const A* __restrict__ rstds = static_cast<const A*>(p.rstd);
+  const bool has_dx = p.dx != nullptr, has_sums = p.partial != nullptr;
+  const A inv_cols = A(p.inv_cols);
+  A dw[V][N], db[V][N];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) dw[k][e] = db[k][e] = A(0);
+  }
+  const auto fetch = [&](long long row, int b) {
+    unsigned long long* bar = &sync.loaded[b];
+    graft_common::mbarrier_expect_bytes(bar, 2 * bytes);
+    graft_common::bulk_copy_to_shared(staged + 2 * b * per, x + row * cols, bytes, bar);
+    graft_common::bulk_copy_to_shared(staged + (2 * b + 1) * per, dy + row * cols, bytes, bar);
+  };
+  sync.walk(p.rows, fetch, [&](long long row, int b, long long i) {
+    const Pack<T>* xs = staged + 2 * b * per;
+    const Pack<T>* gs = xs + per;
+    const A mean = means[row], r = rstds[row];
+    A xh[V][N], gv[V][N];
+    A sg = A(0), sgx = A(0);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const long long j = (long long)k * nt + t;
+      const bool valid = j < len;
+      Pack<T> px, pd;
+      if (valid) {
+        px = xs[j];
+        pd = gs[j];
+      }
+      A wv[N];
+      load_unit(wv, w, j, cols, true, w != nullptr && valid, A(1));
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        xh[k][e] = valid ? (A(to_acc(px.v[e])) - mean) * r : A(0);
+        const A g = valid ? A(to_acc(pd.v[e])) : A(0);
+        if (has_sums) {
+          dw[k][e] += g * xh[k][e];
+          db[k][e] += g;
+        }
+        gv[k][e] = g * wv[e];
+        sg += gv[k][e];
+        sgx += gv[k][e] * xh[k][e];
+      }
+    }
+    if (!has_dx) return;
+    group_sum_pair(sg, sgx, nt, red[i & 1]);
+    if constexpr (C > 1) {
+      // Lane l of every warp takes block l's sums: every block adds the same values in the
+      // same order.
+      sync.exchange(sg, sgx, i, A(0), A(0));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        sg += __shfl_xor_sync(0xffffffffu, sg, o);
+        sgx += __shfl_xor_sync(0xffffffffu, sgx, o);
+      }
+    }
+    const A mean_g = sg * inv_cols, mean_gx = sgx * inv_cols;
+    T* dx = static_cast<T*>(p.dx) + row * cols + lo * N;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const long long j = (long long)k * nt + t;
+      if (j < len) {
+        A o[N];
+#pragma unroll
+        for (int e = 0; e < N; ++e) o[e] = r * (gv[k][e] - mean_g - xh[k][e] * mean_gx);
+        store_unit(dx, o, j, cols, true);
+      }
+    }
+  });
+  if (has_sums) {
+    A* part = static_cast<A*>(p.partial) + (long long)(blockIdx.x / C) * 2 * cols + lo * N;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const long long j = (long long)k * nt + t;
+      if (j < len) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          part[j * N + e] = dw[k][e];
+          part[cols + j * N + e] = db[k][e];
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Loop kernels: one row per block at a time; thread t owns units j = t + i * blockDim.x.
 
@@ -459,6 +586,66 @@ __device__ __forceinline__ void fwd_loop(const Params& p) {
 #pragma unroll
       for (int e = 0; e < N; ++e) o[e] = (v[e] - mean) * r * wv[e] + bv[e];
       store_unit(y, o, j, cols, vec);
+    }
+  }
+}
+
+// Staged forward (16-bit rows of 16-byte units): one row per block at a time. Each thread
+// copies its units of the row into shared memory (cp.async: no registers held while the copies
+// fly), then reads them back twice, for the shifted sums and for y. An SM keeps as many rows in
+// flight as its shared memory holds (the rows kernels: as many as its registers hold, fewer).
+// A thread reads back only the units it copied, so no barrier guards them.
+template <typename T>
+__device__ __forceinline__ void fwd_staged(const Params& p) {
+  using A = typename Acc<T>::type;
+  constexpr int N = Units<T>::N;
+  __shared__ A red[2][2][32];
+  GRAFT_DYN_SMEM(dyn_smem);
+  Pack<T>* staged = reinterpret_cast<Pack<T>*>(dyn_smem);
+  const int nt = blockDim.x, t = threadIdx.x;
+  const long long cols = p.cols;
+  const long long nunits = cols / N;
+  const A inv_cols = A(p.inv_cols), eps = A(p.eps);
+  const T* __restrict__ w = static_cast<const T*>(p.w);
+  const T* __restrict__ b = static_cast<const T*>(p.b);
+  int parity = 0;
+  for (long long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * cols;
+    for (long long j = t; j < nunits; j += nt) copy_async(&staged[j], x + j * N);
+    copy_async_commit();
+    // Sums of x - K and (x - K)^2 around the row's first element K (as fwd_rows).
+    const A shift = to_acc(x[0]);
+    copy_async_wait_all();
+    A s1 = A(0), s2 = A(0);
+    for (long long j = t; j < nunits; j += nt) {
+      const Pack<T> raw = staged[j];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const A d = A(to_acc(raw.v[e])) - shift;
+        s1 += d;
+        s2 += d * d;
+      }
+    }
+    group_sum_pair(s1, s2, nt, red[parity]);
+    parity ^= 1;
+    const A dm = s1 * inv_cols;
+    const A mean = shift + dm;
+    A var = s2 * inv_cols - dm * dm;
+    var = var < A(0) ? A(0) : var;  // NaN (a non-finite row) stays NaN
+    const A r = rsqrt_acc(var + eps);
+    if (t == 0) {
+      static_cast<A*>(p.mean)[row] = mean;
+      static_cast<A*>(p.rstd)[row] = r;
+    }
+    T* y = static_cast<T*>(p.y) + row * cols;
+    for (long long j = t; j < nunits; j += nt) {
+      const Pack<T> raw = staged[j];
+      A wv[N], bv[N], o[N];
+      load_unit(wv, w, j, cols, true, w != nullptr, A(1));
+      load_unit(bv, b, j, cols, true, b != nullptr, A(0));
+#pragma unroll
+      for (int e = 0; e < N; ++e) o[e] = (A(to_acc(raw.v[e])) - mean) * r * wv[e] + bv[e];
+      store_unit(y, o, j, cols, true);
     }
   }
 }
@@ -577,6 +764,7 @@ __device__ __forceinline__ void finalize(const FinalizeParams& p) {
 // Entry points, named as src/layer_norm.rs builds the names:
 //   graft_ln_{fwd,bwd}_rows_{v,s}{V}_{dt}   graft_ln_{fwd,bwd}_loop_{dt}   graft_ln_finalize_{dt}
 // dt: f32 f64 f16 bf16; vector kernels for V = 1, 2, 4 (and 8 forward), scalar for V = 1, 2.
+//   graft_ln_fwd_staged_{f16,bf16}   graft_ln_bwd_bulk_{f16,bf16}
 
 #define GRAFT_LN_BOUNDS_OF(BWD, T, V, VEC)                               \
   graft_layer_norm::RowsBounds<BWD, int(sizeof(T)), V, VEC>::threads,    \
@@ -622,3 +810,24 @@ GRAFT_LN_ALL(f32, float)
 GRAFT_LN_ALL(f64, double)
 GRAFT_LN_ALL(f16, __half)
 GRAFT_LN_ALL(bf16, __nv_bfloat16)
+
+#define GRAFT_LN_FWD_STAGED(DT, T)                                                           \
+  extern "C" __global__ void __launch_bounds__(graft_layer_norm::kStagedThreads,            \
+                                               graft_layer_norm::kStagedMinBlocks)          \
+      graft_ln_fwd_staged_##DT(const graft_layer_norm::Params p) {                          \
+    graft_layer_norm::fwd_staged<T>(p);                                                     \
+  }
+
+GRAFT_LN_FWD_STAGED(f16, __half)
+GRAFT_LN_FWD_STAGED(bf16, __nv_bfloat16)
+
+#define GRAFT_LN_BWD_BULK(DT, T)                                                             \
+  extern "C" __global__ void __launch_bounds__(graft_layer_norm::kBulkThreads, 4)           \
+      GRAFT_CLUSTER_DIMS(graft_layer_norm::kBulkCluster)                                    \
+          graft_ln_bwd_bulk_##DT(const graft_layer_norm::Params p) {                        \
+    using namespace graft_layer_norm;                                                         \
+    bwd_bulk<T, kBulkCluster, kBulkUnits>(p);                                                \
+  }
+
+GRAFT_LN_BWD_BULK(f16, __half)
+GRAFT_LN_BWD_BULK(bf16, __nv_bfloat16)

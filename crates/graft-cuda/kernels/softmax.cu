@@ -41,11 +41,13 @@
 namespace graft_softmax {
 
 using graft_common::Acc;
+using graft_common::BulkSync;
 using graft_common::from_acc;
 using graft_common::group_reduce;
 using graft_common::load_unit;
 using graft_common::max_acc;
 using graft_common::MaxOp;
+using graft_common::Slice;
 using graft_common::store_unit;
 using graft_common::SumOp;
 using graft_common::to_acc;
@@ -218,17 +220,6 @@ __device__ __forceinline__ void cluster_sum(A& r, A* slot) {
   for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
 }
 
-// The units [lo, hi) of a row that block `rank` of a cluster of C owns.
-template <int C>
-struct Slice {
-  long long lo, hi;
-  __device__ __forceinline__ Slice(long long nunits) {
-    const long long per = (nunits + C - 1) / C;
-    const long long rank = C > 1 ? (long long)graft_common::cluster_rank() : 0;
-    lo = rank * per < nunits ? rank * per : nunits;
-    hi = lo + per < nunits ? lo + per : nunits;
-  }
-};
 
 // ---------------------------------------------------------------------------------------
 // Rows kernels: thread t of a row group owns units j = k * tpr + t for k < V.
@@ -580,53 +571,6 @@ __device__ __forceinline__ void bwd_loop(const Params& p) {
 // (whose round trips cost rows this wide about 10%). Two slots by row parity suffice: a block
 // cannot run two rows ahead of a peer, as it needs that peer's partial of the row between.
 
-// Barriers and slots of a bulk kernel's block, and the start and end of its walk.
-template <int C>
-struct BulkSync {
-  struct alignas(8) Slot {
-    float a, b;  // st.async stores 8 aligned bytes
-  };
-  unsigned long long loaded[2];    // mbarriers, by buffer
-  unsigned long long received[2];  // mbarriers, by row parity
-  Slot slots[2][C];                // [parity][rank]
-
-  __device__ __forceinline__ void start() {
-    if (threadIdx.x == 0) {
-      for (int b = 0; b < 2; ++b) {
-        graft_common::mbarrier_init(&loaded[b]);
-        graft_common::mbarrier_init(&received[b]);
-      }
-    }
-    __syncthreads();
-    // No block pushes a partial before every block's mbarriers are initialised.
-    if constexpr (C > 1) {
-      graft_common::cluster_arrive();
-      graft_common::cluster_wait();
-    }
-  }
-  // No block exits while a peer's st.async may still be writing to it.
-  __device__ __forceinline__ void finish() {
-    if constexpr (C > 1) {
-      graft_common::cluster_arrive();
-      graft_common::cluster_wait();
-    }
-  }
-  // Sends this block's (a, b) for row number i to every block of the cluster; returns with
-  // lane l of every warp holding block l's pair (lanes from C on hold (ida, idb)).
-  __device__ __forceinline__ void exchange(float& a, float& b, long long i, float ida,
-                                           float idb) {
-    const int par = int(i & 1);
-    if (threadIdx.x == 0) graft_common::mbarrier_expect_bytes(&received[par], C * 8);
-    if (threadIdx.x < C) {
-      graft_common::push_pair_to_rank(&slots[par][graft_common::cluster_rank()].a, threadIdx.x,
-                                      a, b, &received[par]);
-    }
-    graft_common::mbarrier_wait(&received[par], unsigned(i >> 1) & 1u);
-    const unsigned lane = threadIdx.x & 31;
-    a = lane < C ? slots[par][lane].a : ida;
-    b = lane < C ? slots[par][lane].b : idb;
-  }
-};
 
 #if defined(__CUDA_ARCH__)
 template <typename T>
@@ -683,24 +627,14 @@ __device__ __forceinline__ void fwd_bulk(const Params& p) {
   const long long lo = slice.lo, len = slice.hi - slice.lo;
   const long long per = (cols / N + C - 1) / C;  // units between the two buffers
   const unsigned bytes = unsigned(len * 16);
-  const long long clusters = gridDim.x / C;
   const bool log_softmax = p.log != 0;
   graft_common::Pack<T>* staged = reinterpret_cast<graft_common::Pack<T>*>(dyn_smem);
   const T* x = static_cast<const T*>(p.in0) + lo * N;
-  sync.start();
   const auto fetch = [&](long long row, int b) {
     graft_common::mbarrier_expect_bytes(&sync.loaded[b], bytes);
     graft_common::bulk_copy_to_shared(staged + b * per, x + row * cols, bytes, &sync.loaded[b]);
   };
-  long long row = blockIdx.x / C;
-  if (t == 0 && row < p.outer) fetch(row, 0);
-  for (long long i = 0; row < p.outer; ++i, row += clusters) {
-    const int b = int(i & 1);
-    if (t == 0 && row + clusters < p.outer) {
-      graft_common::fence_async_shared();  // the buffer's reads (two rows back) come first
-      fetch(row + clusters, b ^ 1);
-    }
-    graft_common::mbarrier_wait(&sync.loaded[b], unsigned(i >> 1) & 1u);
+  sync.walk(p.outer, fetch, [&](long long row, int b, long long i) {
     const graft_common::Pack<T>* xs = staged + b * per;
     // The slice's maximum, then its sum of 2^((v - m) log2 e) as one fma an element (the
     // sum need not be exact to the last bit), then the cluster's (maximum, sum).
@@ -735,9 +669,7 @@ __device__ __forceinline__ void fwd_bulk(const Params& p) {
       }
       store_unit(y, o, j, cols, true);
     }
-    __syncthreads();  // buffer b is read: the next iteration's copy may overwrite it
-  }
-  sync.finish();
+  });
 }
 
 template <typename T, int C>
@@ -755,28 +687,18 @@ __device__ __forceinline__ void bwd_bulk(const Params& p) {
   const long long lo = slice.lo, len = slice.hi - slice.lo;
   const long long per = (cols / N + C - 1) / C;  // units between the buffers' arrays
   const unsigned bytes = unsigned(len * 16);
-  const long long clusters = gridDim.x / C;
   const bool log_softmax = p.log != 0;
   // [buffer][dy, y][per units]
   graft_common::Pack<T>* staged = reinterpret_cast<graft_common::Pack<T>*>(dyn_smem);
   const T* dy = static_cast<const T*>(p.in0) + lo * N;
   const T* y = static_cast<const T*>(p.in1) + lo * N;
-  sync.start();
   const auto fetch = [&](long long row, int b) {
     unsigned long long* bar = &sync.loaded[b];
     graft_common::mbarrier_expect_bytes(bar, 2 * bytes);
     graft_common::bulk_copy_to_shared(staged + 2 * b * per, dy + row * cols, bytes, bar);
     graft_common::bulk_copy_to_shared(staged + (2 * b + 1) * per, y + row * cols, bytes, bar);
   };
-  long long row = blockIdx.x / C;
-  if (t == 0 && row < p.outer) fetch(row, 0);
-  for (long long i = 0; row < p.outer; ++i, row += clusters) {
-    const int b = int(i & 1);
-    if (t == 0 && row + clusters < p.outer) {
-      graft_common::fence_async_shared();  // the buffer's reads (two rows back) come first
-      fetch(row + clusters, b ^ 1);
-    }
-    graft_common::mbarrier_wait(&sync.loaded[b], unsigned(i >> 1) & 1u);
+  sync.walk(p.outer, fetch, [&](long long row, int b, long long i) {
     const graft_common::Pack<T>* gs = staged + 2 * b * per;
     const graft_common::Pack<T>* ys = gs + per;
     A r = A(0);
@@ -808,9 +730,7 @@ __device__ __forceinline__ void bwd_bulk(const Params& p) {
       }
       store_unit(dx, o, j, cols, true);
     }
-    __syncthreads();  // buffer b is read: the next iteration's copy may overwrite it
-  }
-  sync.finish();
+  });
 }
 
 // ---------------------------------------------------------------------------------------

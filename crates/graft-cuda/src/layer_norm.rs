@@ -3,10 +3,15 @@
 //!
 //! Rows that fit a row group's registers take the rows kernels (forward up to 4096 units of
 //! 16 bytes, backward up to 2048 (f32) or 1024 (16-bit)); wider rows the loop kernels. The
-//! backward runs a persistent grid of at most [`BWD_MAX_BLOCKS_PER_SM`] blocks per SM, each
-//! writing one partial row of dw and db to the workspace, and the finalize kernel sums them
-//! in block order. With 16-byte access its rows kernels stage the next set's x and dy rows in
-//! shared memory (cp.async) while a set computes, opting in to more than the default 48 KB.
+//! forward of 16-bit rows of 2048 to 16384 columns takes the staged kernel instead (the row in
+//! shared memory: more rows in flight per SM than registers allow). The backward runs a
+//! persistent grid of at most [`BWD_MAX_BLOCKS_PER_SM`] blocks per SM, each writing one
+//! partial row of dw and db to the workspace, and the finalize kernel sums them in block
+//! order. With 16-byte access its rows kernels stage the next set's x and dy rows in shared
+//! memory (cp.async) while a set computes, opting in to more than the default 48 KB. The
+//! backward of 16-bit rows of 7168 to 8192 columns runs the bulk kernel instead where the
+//! device has clusters: clusters of four blocks, each a slice of every row, one partial row per
+//! cluster.
 
 use crate::config::{
     blocks_per_sm, choose_rows, rows_per_block, DeviceLimits, KernelAttrs, MAX_GRID,
@@ -133,6 +138,25 @@ const FWD_TARGET_BLOCK: u32 = 64;
 /// three-pass floor, V = 2: hidden 4096 1 row per block 1.146x, 2 rows 1.150x; hidden 2048 2
 /// rows (256 threads) 1.146x, 4 rows 1.169x (bench/kernel_lab/layer_norm_sweep.py).
 const BWD_TARGET_BLOCK: u32 = 256;
+/// Units of 16 bytes (16-bit rows with 16-byte access) the staged forward takes. H100, bf16,
+/// 128 M elements, kernel alone against a copy, the rows kernels at the planner's shape / the
+/// staged kernel (bench/kernel_lab/layer_norm_fwd_sweep.py, three runs): hidden 1024
+/// 1.017x-1.025x / 1.023x (not taken), 2048 1.019x-1.029x / 1.016x-1.018x, 4096
+/// 1.035x-1.036x / 1.019x-1.022x, 8192 1.068x-1.075x / 1.016x-1.022x, 16384 1.126x-1.127x /
+/// 1.025x-1.026x. At 32768 (64 KB of shared memory a row, beyond the rows kernels) it ran at
+/// 1.053x-1.055x; the loop kernel it would replace there was not measured.
+const FWD_STAGED_UNITS: std::ops::RangeInclusive<u64> = 256..=2048;
+/// Units of 16 bytes (16-bit rows with 16-byte access) the bulk backward takes: H100, bf16,
+/// 128 M elements, with the finalize kernel, against the three-pass floor, bulk / the rows
+/// kernels' best shape in the same run (bench/kernel_lab/layer_norm_sweep.py): hidden 8192
+/// 1.125x-1.131x (two runs) / 1.175x-1.213x (three), 7168 1.148x / 1.211x. At 6208 (776
+/// units) the bulk kernel ran at 1.201x, its slices too short to hide a row's fixed costs, and
+/// the rows kernels were not measured there: not taken.
+const BWD_BULK_UNITS: std::ops::RangeInclusive<u64> = 896..=1024;
+/// The bulk backward's cluster size, block size and units a thread (`kBulkCluster`,
+/// `kBulkThreads`, `kBulkUnits` in kernels/layer_norm.cu).
+const BULK_CLUSTER: u32 = 4;
+const BULK_THREADS: u32 = 128;
 /// Shared memory the backward rows kernels may use to add their row groups when they do not
 /// stage rows (then they do not opt in to more than the default).
 const BWD_ROWS_SMEM_LIMIT: u64 = 48 * 1024;
@@ -172,8 +196,15 @@ const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 /// Which kernel a launch uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Body {
-    Rows { v: u32, vec: bool },
+    Rows {
+        v: u32,
+        vec: bool,
+    },
     Loop,
+    /// The staged forward (16-bit).
+    Staged,
+    /// The bulk backward (16-bit, clusters).
+    Bulk,
 }
 
 fn name(dir: &str, body: Body, dtype: DType) -> String {
@@ -184,6 +215,8 @@ fn name(dir: &str, body: Body, dtype: DType) -> String {
             format!("graft_ln_{dir}_rows_{kind}{v}_{dt}")
         }
         Body::Loop => format!("graft_ln_{dir}_loop_{dt}"),
+        Body::Staged => format!("graft_ln_{dir}_staged_{dt}"),
+        Body::Bulk => format!("graft_ln_{dir}_bulk_{dt}"),
     }
 }
 
@@ -199,6 +232,10 @@ pub(crate) fn kernel_names() -> Vec<String> {
                 }
             }
             out.push(name(dir, Body::Loop, dtype));
+        }
+        if dtype.size() == 2 {
+            out.push(name("fwd", Body::Staged, dtype));
+            out.push(name("bwd", Body::Bulk, dtype));
         }
         out.push(format!("graft_ln_finalize_{}", dtype_tag(dtype)));
     }
@@ -238,9 +275,54 @@ pub(crate) struct Plan {
     pub stage: bool,
 }
 
-/// The launch for `p`; `attrs(body)` gives the chosen kernel's compiled attributes.
-pub(crate) fn plan(p: &Problem, lim: &DeviceLimits, attrs: &dyn Fn(Body) -> KernelAttrs) -> Plan {
+/// The launch for `p`; `attrs(body)` gives the chosen kernel's compiled attributes and
+/// `clusters(smem)` how many clusters of the bulk backward with `smem` bytes of dynamic shared
+/// memory can be resident (0: none, or the driver cannot say).
+pub(crate) fn plan(
+    p: &Problem,
+    lim: &DeviceLimits,
+    attrs: &dyn Fn(Body) -> KernelAttrs,
+    clusters: &dyn Fn(u32) -> u32,
+) -> Plan {
     let nunits = p.cols.div_ceil(16 / p.elem);
+    if p.backward && p.elem == 2 && p.vec && lim.clusters && BWD_BULK_UNITS.contains(&nunits) {
+        // Two buffers of the block's slice of x and dy.
+        let smem = (4 * nunits.div_ceil(u64::from(BULK_CLUSTER)) * 16) as u32;
+        // As many clusters as can be resident (a row's blocks wait for each other), at most
+        // one per BWD_MAX_BLOCKS_PER_SM blocks of the grid the workspace was sized for.
+        let most = lim.sms * BWD_MAX_BLOCKS_PER_SM;
+        let n = u64::from(clusters(smem).min(most)).min(p.rows);
+        if n > 0 {
+            return Plan {
+                body: Body::Bulk,
+                grid: (n * u64::from(BULK_CLUSTER)) as u32,
+                block: BULK_THREADS,
+                smem,
+                tpr: BULK_THREADS,
+                rpb: 1,
+                stage: false,
+            };
+        }
+    }
+    if !p.backward && p.elem == 2 && p.vec && FWD_STAGED_UNITS.contains(&nunits) {
+        // One row per block, as many blocks as rows (finished blocks are replaced at once).
+        // Two units a thread in 128 to 256 threads, four above (the same sweep: hidden 2048
+        // 128 threads 1.016x-1.018x, 64 1.028x; 4096 256 1.019x-1.022x, 128 1.021x-1.022x;
+        // 8192 256 1.016x-1.022x, 512 1.057x; 16384 512 1.025x, 256 1.036x).
+        let block = (nunits / 2)
+            .clamp(128, 256)
+            .max(nunits / 4)
+            .next_multiple_of(32) as u32;
+        return Plan {
+            body: Body::Staged,
+            grid: p.rows.clamp(1, MAX_GRID) as u32,
+            block,
+            smem: (nunits * 16) as u32,
+            tpr: block,
+            rpb: 1,
+            stage: false,
+        };
+    }
     let table = rows_table(p.backward, p.elem, p.vec);
     let pref = if p.backward { 2 } else { 4 };
     let target = if p.backward {
@@ -382,7 +464,7 @@ pub fn layer_norm_forward(a: &LayerNormForward) -> Result<(), CudaError> {
         vec: vectorizable(&ptrs, a.cols, a.dtype),
         sums: false,
     };
-    let pl = plan(&problem, &st.limits, &attrs_for(st, "fwd", a.dtype));
+    let pl = plan(&problem, &st.limits, &attrs_for(st, "fwd", a.dtype), &|_| 0);
     let mut params = LayerNormParams {
         x: a.x,
         w: a.weight,
@@ -474,7 +556,18 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<(), CudaError> {
         vec: vectorizable(&ptrs, a.cols, a.dtype),
         sums,
     };
-    let pl = plan(&problem, &st.limits, &attrs_for(st, "bwd", a.dtype));
+    // A failed query (as an old driver's) leaves the rows to the other kernels.
+    let clusters = |smem: u32| {
+        index_of(&name("bwd", Body::Bulk, a.dtype))
+            .and_then(|k| device::resident_clusters(a.device, k, BULK_CLUSTER, BULK_THREADS, smem))
+            .unwrap_or(0)
+    };
+    let pl = plan(
+        &problem,
+        &st.limits,
+        &attrs_for(st, "bwd", a.dtype),
+        &clusters,
+    );
     let partial = if sums { a.workspace } else { 0 };
     let mut params = LayerNormParams {
         x: a.x,
@@ -510,7 +603,11 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<(), CudaError> {
         partial,
         dw: a.dw.unwrap_or(0),
         db: a.db.unwrap_or(0),
-        nparts: i64::from(pl.grid),
+        // One partial row per block, or per cluster of the bulk kernel.
+        nparts: i64::from(match pl.body {
+            Body::Bulk => pl.grid / BULK_CLUSTER,
+            _ => pl.grid,
+        }),
         cols: a.cols as i64,
     };
     let fname = format!("graft_ln_finalize_{}", dtype_tag(a.dtype));
@@ -535,6 +632,10 @@ mod tests {
             static_smem: 512,
             max_threads: 1024,
         }
+    }
+
+    fn no_clusters(_: u32) -> u32 {
+        0
     }
 
     fn problem(backward: bool, elem: u64, rows: u64, cols: u64) -> Problem {
@@ -562,17 +663,19 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
-        assert_eq!(n, 4 * (6 + 5 + 2 + 1));
+        assert_eq!(n, 4 * (6 + 5 + 2 + 1) + 4);
+        assert!(names.contains(&"graft_ln_bwd_bulk_f16".to_string()));
+        assert!(names.contains(&"graft_ln_fwd_staged_bf16".to_string()));
         assert!(names.contains(&"graft_ln_bwd_rows_s2_bf16".to_string()));
     }
 
     #[test]
-    fn hidden_4096_to_8192_fit_the_rows_kernels() {
+    fn plans_by_hidden_size() {
         let lim = DeviceLimits::H100;
         for cols in [4096, 8192] {
-            let pl = plan(&problem(false, 2, 8192, cols), &lim, &attrs);
+            let pl = plan(&problem(false, 4, 8192, cols), &lim, &attrs, &no_clusters);
             assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
-            let pl = plan(&problem(true, 2, 8192, cols), &lim, &attrs);
+            let pl = plan(&problem(true, 2, 8192, cols), &lim, &attrs, &no_clusters);
             assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
             assert!(pl.grid <= lim.sms * BWD_MAX_BLOCKS_PER_SM);
             assert!(pl.stage, "{pl:?}");
@@ -593,7 +696,7 @@ mod tests {
                     vec,
                     ..problem(backward, elem, 8192, cols)
                 };
-                let pl = plan(&problem, &lim, &attrs);
+                let pl = plan(&problem, &lim, &attrs, &no_clusters);
                 let total = u64::from(pl.smem) + u64::from(attrs(pl.body).static_smem);
                 let limit = if pl.stage {
                     u64::from(lim.smem_per_block_optin)
@@ -609,17 +712,33 @@ mod tests {
                 assert!(pl.block <= attrs(pl.body).max_threads);
             }
         }
-        // Forward: one row per block from 64 threads a row (hidden 2048 in bf16, V = 4), two
-        // warps' worth of rows below.
-        for (cols, rpb) in [
-            (8192, 1),
-            (4096, 1),
-            (2048, 1),
-            (1024, 2),
-            (512, 4),
-            (64, 32),
+        // 16-bit forward from 2048 to 16384 columns: staged, one row per block, two units a
+        // thread in 128 to 256 threads, four above; not with element access.
+        for (cols, block) in [
+            (2048, 128),
+            (2056, 128),
+            (4096, 256),
+            (5120, 256),
+            (8192, 256),
+            (16384, 512),
         ] {
-            let pl = plan(&problem(false, 2, 8192, cols), &lim, &attrs);
+            let pl = plan(&problem(false, 2, 100, cols), &lim, &attrs, &no_clusters);
+            assert_eq!(pl.body, Body::Staged, "cols {cols}: {pl:?}");
+            assert_eq!((pl.block, pl.grid, pl.smem), (block, 100, cols as u32 * 2));
+            let scalar = Problem {
+                vec: false,
+                ..problem(false, 2, 100, cols)
+            };
+            assert_ne!(plan(&scalar, &lim, &attrs, &no_clusters).body, Body::Staged);
+        }
+        for cols in [2040, 16392] {
+            let pl = plan(&problem(false, 2, 100, cols), &lim, &attrs, &no_clusters);
+            assert_ne!(pl.body, Body::Staged, "cols {cols}: {pl:?}");
+        }
+        // Forward rows kernels: one row per block from 64 threads a row (hidden 2048 in f32,
+        // V = 4 in bf16), two warps' worth of rows below.
+        for (cols, rpb) in [(1024, 2), (512, 4), (64, 32)] {
+            let pl = plan(&problem(false, 2, 8192, cols), &lim, &attrs, &no_clusters);
             assert_eq!(
                 (pl.rpb, pl.block),
                 (rpb, 64.max(pl.tpr)),
@@ -627,8 +746,46 @@ mod tests {
             );
         }
         // Beyond the registers: the loop kernels.
-        let pl = plan(&problem(true, 2, 10, 20000), &lim, &attrs);
+        let pl = plan(&problem(true, 2, 10, 20000), &lim, &attrs, &no_clusters);
         assert_eq!(pl.body, Body::Loop);
         assert!(pl.grid <= 10);
+    }
+
+    #[test]
+    fn the_bulk_backward_takes_16_bit_rows_from_7168_columns_where_clusters_fit() {
+        let lim = DeviceLimits::H100;
+        let fit = |_: u32| 100;
+        for cols in [7168, 8192] {
+            let pl = plan(&problem(true, 2, 1000, cols), &lim, &attrs, &fit);
+            assert_eq!(pl.body, Body::Bulk, "cols {cols}: {pl:?}");
+            assert_eq!((pl.grid, pl.block), (400, 128));
+            // Two buffers of x and dy of a quarter of the row.
+            assert_eq!(u64::from(pl.smem), 4 * (cols / 8).div_ceil(4) * 16);
+        }
+        // Fewer rows than resident clusters; more clusters than the workspace's grid.
+        let pl = plan(&problem(true, 2, 10, 8192), &lim, &attrs, &fit);
+        assert_eq!(pl.grid, 40);
+        let pl = plan(&problem(true, 2, 10_000, 8192), &lim, &attrs, &|_| 1000);
+        assert_eq!(pl.grid, lim.sms * BWD_MAX_BLOCKS_PER_SM * 4);
+        // Not: narrower or wider rows, f32, element access, no clusters, no answer.
+        for (elem, cols) in [(2, 7160), (2, 8200), (4, 4096)] {
+            let pl = plan(&problem(true, elem, 1000, cols), &lim, &attrs, &fit);
+            assert_ne!(pl.body, Body::Bulk, "elem {elem} cols {cols}");
+        }
+        let scalar = Problem {
+            vec: false,
+            ..problem(true, 2, 1000, 8192)
+        };
+        assert_ne!(plan(&scalar, &lim, &attrs, &fit).body, Body::Bulk);
+        let a100 = DeviceLimits {
+            clusters: false,
+            ..lim
+        };
+        assert_ne!(
+            plan(&problem(true, 2, 1000, 8192), &a100, &attrs, &fit).body,
+            Body::Bulk
+        );
+        let pl = plan(&problem(true, 2, 1000, 8192), &lim, &attrs, &no_clusters);
+        assert!(matches!(pl.body, Body::Rows { .. }));
     }
 }
