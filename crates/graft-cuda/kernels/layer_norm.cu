@@ -96,6 +96,17 @@ constexpr int kStagedMinBlocks = 4;
 __device__ __forceinline__ float rsqrt_acc(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double rsqrt_acc(double v) { return 1.0 / sqrt(v); }
 
+// A row's mean and rstd from its sums s1 of x - K and s2 of (x - K)^2 around K = `shift`.
+template <typename A>
+__device__ __forceinline__ void shifted_stats(A shift, A s1, A s2, A inv_cols, A eps, A& mean,
+                                              A& r) {
+  const A dm = s1 * inv_cols;
+  mean = shift + dm;
+  A var = s2 * inv_cols - dm * dm;
+  var = var < A(0) ? A(0) : var;  // NaN (a non-finite row) stays NaN
+  r = rsqrt_acc(var + eps);
+}
+
 // Launch bounds of the rows kernels by direction, element size, V and vector access: the
 // bound keeping the most bytes in flight per SM with no spill on sm_80, sm_90 and sm_100 (ptxas).
 // Mirrored by `rows_table` in src/layer_norm.rs.
@@ -298,6 +309,24 @@ __device__ __forceinline__ void write_partial(const Params& p, A (&dw)[V][N], A 
   }
 }
 
+// dx of a thread's units j = k * stride + t (k < V) below `units`, from its g = dy * w and
+// xhat: rstd * (g - mean(g) - xhat * mean(g * xhat)).
+template <typename T, typename A, int V, int N, bool VEC>
+__device__ __forceinline__ void store_dx(T* dx, const A (&gv)[V][N], const A (&xh)[V][N], A r,
+                                         A mean_g, A mean_gx, int stride, int t, long long units,
+                                         long long cols) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const long long j = (long long)k * stride + t;
+    if (j < units) {
+      A o[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) o[e] = r * (gv[k][e] - mean_g - xh[k][e] * mean_gx);
+      store_unit(dx, o, j, cols, VEC);
+    }
+  }
+}
+
 template <typename T, int V, bool VEC>
 __device__ __forceinline__ void bwd_rows(const Params& p) {
   using A = typename Acc<T>::type;
@@ -401,16 +430,7 @@ __device__ __forceinline__ void bwd_rows(const Params& p) {
       const A mean_g = sg * inv_cols, mean_gx = sgx * inv_cols;
       if (ok) {
         T* dx = static_cast<T*>(p.dx) + base;
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const long long j = (long long)k * tpr + t;
-          if (j < nunits) {
-            A o[N];
-#pragma unroll
-            for (int e = 0; e < N; ++e) o[e] = r * (gv[k][e] - mean_g - xh[k][e] * mean_gx);
-            store_unit(dx, o, j, cols, VEC);
-          }
-        }
+        store_dx<T, A, V, N, VEC>(dx, gv, xh, r, mean_g, mean_gx, tpr, t, nunits, cols);
       }
     }
   }
@@ -505,16 +525,7 @@ __device__ __forceinline__ void bwd_bulk(const Params& p) {
     }
     const A mean_g = sg * inv_cols, mean_gx = sgx * inv_cols;
     T* dx = static_cast<T*>(p.dx) + row * cols + lo * N;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const long long j = (long long)k * nt + t;
-      if (j < len) {
-        A o[N];
-#pragma unroll
-        for (int e = 0; e < N; ++e) o[e] = r * (gv[k][e] - mean_g - xh[k][e] * mean_gx);
-        store_unit(dx, o, j, cols, true);
-      }
-    }
+    store_dx<T, A, V, N, true>(dx, gv, xh, r, mean_g, mean_gx, nt, t, len, cols);
   });
   if (has_sums) {
     A* part = static_cast<A*>(p.partial) + (long long)(blockIdx.x / C) * 2 * cols + lo * N;
@@ -568,11 +579,8 @@ __device__ __forceinline__ void fwd_loop(const Params& p) {
     parity ^= 1;
     s2 = group_reduce(s2, nt, red[parity], SumOp());
     parity ^= 1;
-    const A dm = s1 * inv_cols;
-    const A mean = shift + dm;
-    A var = s2 * inv_cols - dm * dm;
-    var = var < A(0) ? A(0) : var;  // NaN (a non-finite row) stays NaN
-    const A r = rsqrt_acc(var + eps);
+    A mean, r;
+    shifted_stats(shift, s1, s2, inv_cols, eps, mean, r);
     if (t == 0) {
       static_cast<A*>(p.mean)[row] = mean;
       static_cast<A*>(p.rstd)[row] = r;
@@ -628,11 +636,8 @@ __device__ __forceinline__ void fwd_staged(const Params& p) {
     }
     group_sum_pair(s1, s2, nt, red[parity]);
     parity ^= 1;
-    const A dm = s1 * inv_cols;
-    const A mean = shift + dm;
-    A var = s2 * inv_cols - dm * dm;
-    var = var < A(0) ? A(0) : var;  // NaN (a non-finite row) stays NaN
-    const A r = rsqrt_acc(var + eps);
+    A mean, r;
+    shifted_stats(shift, s1, s2, inv_cols, eps, mean, r);
     if (t == 0) {
       static_cast<A*>(p.mean)[row] = mean;
       static_cast<A*>(p.rstd)[row] = r;
