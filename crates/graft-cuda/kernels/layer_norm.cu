@@ -22,6 +22,9 @@
 //                    a time, copied into shared memory (cp.async) and read back twice, for the
 //                    shifted sums and for y. An SM keeps as many rows in flight as its shared
 //                    memory holds.
+//   bwd_bulk         16-bit rows of 16-byte units (7168 to 8192 columns, sm_90+): a persistent
+//                    grid of clusters, each block a slice of every row fetched by bulk copies,
+//                    the row's sums exchanged in the cluster; one partial row per cluster.
 //   *_loop           any cols: one row per block at a time. Forward: shifted sums (around the
 //                    row's first element) in one pass, the output in a second. Backward: the
 //                    row's sums, then dx, adding dw and db into the block's partial row.
