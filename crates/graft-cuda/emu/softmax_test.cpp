@@ -336,12 +336,20 @@ void loop_cases(bool backward, const Pair& p) {
 }
 
 // The bulk kernels with clusters of one block, the emulator's: the persistent walk over rows
-// (grids smaller and larger than the rows), the two buffers and the copies into them, rows of
-// special values. The exchange between the blocks of a cluster runs on a GPU only
-// (tests/test_native_softmax_cuda.py).
-extern "C" void graft_softmax_fwd_bulk1_f16(const Params p) { graft_softmax::fwd_bulk<__half, 1>(p); }
+// (grids smaller and larger than the rows), the two buffers and the copies into them, y by
+// the threads' stores or (bulk1s) by bulk copy, rows of special values. The exchange between
+// the blocks of a cluster runs on a GPU only (tests/test_native_softmax_cuda.py).
+extern "C" void graft_softmax_fwd_bulk1_f16(const Params p) {
+  graft_softmax::fwd_bulk<__half, 1, false>(p);
+}
 extern "C" void graft_softmax_fwd_bulk1_bf16(const Params p) {
-  graft_softmax::fwd_bulk<__nv_bfloat16, 1>(p);
+  graft_softmax::fwd_bulk<__nv_bfloat16, 1, false>(p);
+}
+extern "C" void graft_softmax_fwd_bulk1s_f16(const Params p) {
+  graft_softmax::fwd_bulk<__half, 1, true>(p);
+}
+extern "C" void graft_softmax_fwd_bulk1s_bf16(const Params p) {
+  graft_softmax::fwd_bulk<__nv_bfloat16, 1, true>(p);
 }
 extern "C" void graft_softmax_bwd_bulk1_f16(const Params p) { graft_softmax::bwd_bulk<__half, 1>(p); }
 extern "C" void graft_softmax_bwd_bulk1_bf16(const Params p) {
@@ -357,12 +365,16 @@ void bulk_cases(bool backward, const Pair& p) {
         for (unsigned block : {64u, 256u}) {
           // Two buffers of x, or of dy and y.
           const size_t smem = size_t(cols / 8) * 16 * 2 * (backward ? 2 : 1);
-          for (bool log_softmax : {false, true}) {
-            Launch l{std::string("graft_softmax_") + dir + "_bulk1_" + p.tag, grid, block, block, 1,
-                     true, true, smem};
-            run_case(backward, p, log_softmax, Shape{rows, cols, 1}, l, 0, 0);
-            if (!backward && grid == 2 && block == 64)
-              for (int sp = 1; sp <= 4; ++sp) run_case(backward, p, log_softmax, Shape{rows, cols, 1}, l, 0, sp);
+          for (const char* kind : {"_bulk1_", "_bulk1s_"}) {
+            if (backward && std::string(kind) == "_bulk1s_") continue;
+            for (bool log_softmax : {false, true}) {
+              Launch l{std::string("graft_softmax_") + dir + kind + p.tag, grid, block, block, 1,
+                       true, true, smem};
+              run_case(backward, p, log_softmax, Shape{rows, cols, 1}, l, 0, 0);
+              if (!backward && grid == 2 && block == 64)
+                for (int sp = 1; sp <= 4; ++sp)
+                  run_case(backward, p, log_softmax, Shape{rows, cols, 1}, l, 0, sp);
+            }
           }
         }
       }

@@ -228,8 +228,10 @@ __device__ __forceinline__ void store_pack_hinted(T* p, const Pack<T>& v,
 // its parity), bulk copies from global to this block's shared memory that complete on an
 // mbarrier (TMA without a tensor map: 16-byte aligned addresses and sizes), and a pair of
 // floats stored into block `rank`'s shared memory that completes on that block's mbarrier
-// (st.async). The emulator copies and stores at once; its waits let the block's other
-// threads run until the phase completes.
+// (st.async). Bulk copies the other way, from shared to global memory, complete in bulk
+// groups, which the issuing thread waits for: until they have read shared memory (which may
+// then be overwritten), or until done. The emulator copies and stores at once; its waits let
+// the block's other threads run until the phase completes.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GRAFT_CLUSTER_DIMS(C) __cluster_dims__(C, 1, 1)
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -300,6 +302,22 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
           "r"(shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar))
       : "memory");
+}
+// Starts a bulk copy of `bytes` from this block's shared memory to global memory, as a bulk
+// group of its own.
+__device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(shared_address(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Returns once this thread's bulk copies to global memory have read their shared memory.
+__device__ __forceinline__ void bulk_copies_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// Returns once this thread's bulk copies to global memory are done.
+__device__ __forceinline__ void bulk_copies_done() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 // Stores (a, b) at `local`'s address in block `rank`'s shared memory; 8 bytes for `bar` there.
 __device__ __forceinline__ void push_pair_to_rank(float* local, unsigned rank, float a, float b,
@@ -381,6 +399,12 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
   memcpy(dst, src, bytes);
   landed(bar, bytes);
 }
+__device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, unsigned bytes) {
+  GRAFT_NO_CLUSTERS();
+  memcpy(dst, src, bytes);
+}
+__device__ __forceinline__ void bulk_copies_read() { GRAFT_NO_CLUSTERS(); }
+__device__ __forceinline__ void bulk_copies_done() { GRAFT_NO_CLUSTERS(); }
 __device__ __forceinline__ void push_pair_to_rank(float* local, unsigned rank, float a, float b,
                                                   unsigned long long* bar) {
   GRAFT_NO_CLUSTERS();

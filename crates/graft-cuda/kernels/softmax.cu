@@ -22,7 +22,9 @@
 //                shared memory are still read once.
 //   *_bulk{C}    16-bit rows too wide for one block (sm_90+): a persistent grid of
 //                clusters; the next row's slices arrive by bulk copy (TMA) while the
-//                current one is written, and the blocks' partials by st.async.
+//                current one is written, and the blocks' partials by st.async. The
+//                forward in clusters of 2 writes y back over the staged x and sends it by
+//                bulk copy too.
 //   *_cols       inner > 1: threads across `inner` (coalesced) and across slices of `dim`,
 //                a running maximum / sum per thread merged across slices in a fixed order.
 // All loops over rows / tiles are grid-stride with a trip count uniform over the block, so
@@ -570,6 +572,11 @@ __device__ __forceinline__ void bwd_loop(const Params& p) {
 // that block's mbarrier, so a block waits for its C values only, not at a cluster barrier
 // (whose round trips cost rows this wide about 10%). Two slots by row parity suffice: a block
 // cannot run two rows ahead of a peer, as it needs that peer's partial of the row between.
+// The forward in clusters of 2 (rows of 32776-65536 columns) writes y by bulk copy too; in
+// clusters of 4 and 8 the threads' stores are faster (H100, bf16, fraction of a copy's
+// bandwidth, log-softmax / softmax, bench/kernel_lab/softmax_fwd_store_sweep.py: 65536
+// columns 0.93-0.94 / 0.93 by bulk copy against 0.89 / 0.91; 131072 0.85 / 0.87 against
+// 0.92 / 0.91; 262144 0.85 / 0.85 against 0.94 / 0.93).
 
 
 #if defined(__CUDA_ARCH__)
@@ -612,7 +619,9 @@ __device__ __forceinline__ float staged_max(const graft_common::Pack<T>* xs, lon
 #endif
 }
 
-template <typename T, int C>
+// kStoreBulk: y is written over the staged x and leaves by bulk copy, whose read of the
+// buffer the next fetch into it waits for.
+template <typename T, int C, bool kStoreBulk>
 __device__ __forceinline__ void fwd_bulk(const Params& p) {
   static_assert(sizeof(T) == 2, "16-bit input and output");
   using A = float;
@@ -631,11 +640,12 @@ __device__ __forceinline__ void fwd_bulk(const Params& p) {
   graft_common::Pack<T>* staged = reinterpret_cast<graft_common::Pack<T>*>(dyn_smem);
   const T* x = static_cast<const T*>(p.in0) + lo * N;
   const auto fetch = [&](long long row, int b) {
+    if constexpr (kStoreBulk) graft_common::bulk_copies_read();
     graft_common::mbarrier_expect_bytes(&sync.loaded[b], bytes);
     graft_common::bulk_copy_to_shared(staged + b * per, x + row * cols, bytes, &sync.loaded[b]);
   };
   sync.walk(p.outer, fetch, [&](long long row, int b, long long i) {
-    const graft_common::Pack<T>* xs = staged + b * per;
+    graft_common::Pack<T>* xs = staged + b * per;
     // The slice's maximum, then its sum of 2^((v - m) log2 e) as one fma an element (the
     // sum need not be exact to the last bit), then the cluster's (maximum, sum).
     A m = group_reduce(staged_max(xs, len), nt, red[0], MaxOp());
@@ -659,6 +669,7 @@ __device__ __forceinline__ void fwd_bulk(const Params& p) {
     // exp(v - m) / s = 2^(v log2 e - (m log2 e + log2 s)): one fma and the SFU's 2^x.
     const A offset = -fmaf(m, kLog2e, log2f(s));
     T* y = static_cast<T*>(p.out) + row * cols + lo * N;
+    T* out = kStoreBulk ? reinterpret_cast<T*>(xs) : y;
     for (long long j = t; j < len; j += nt) {
       const graft_common::Pack<T> raw = xs[j];
       A o[N];
@@ -667,9 +678,17 @@ __device__ __forceinline__ void fwd_bulk(const Params& p) {
         const A v = A(to_acc(raw.v[e]));
         o[e] = log_softmax ? (v - m) - log_s : graft_common::exp2_ftz(fmaf(v, kLog2e, offset));
       }
-      store_unit(y, o, j, cols, true);
+      store_unit(out, o, j, cols, true);
+    }
+    if constexpr (kStoreBulk) {
+      graft_common::fence_async_shared();  // the stores to xs come before the bulk copy's reads
+      __syncthreads();
+      if (t == 0) graft_common::bulk_copy_to_global(y, xs, bytes);
     }
   });
+  if constexpr (kStoreBulk) {
+    if (t == 0) graft_common::bulk_copies_done();
+  }
 }
 
 template <typename T, int C>
@@ -909,17 +928,17 @@ __device__ __forceinline__ void bwd_cols(const Params& p) {
 
 // Bulk kernels, 16-bit types: the forward in clusters of 2, 4 and 8, the backward of 8 and 16
 // (a non-portable size: src/device.rs allows it on load).
-#define GRAFT_SOFTMAX_BULK(NAME, DIR, T, C)                                                  \
+#define GRAFT_SOFTMAX_BULK(NAME, C, ...)                                                     \
   extern "C" __global__ void __launch_bounds__(graft_softmax::kFwdLoopThreads, 1)           \
       GRAFT_CLUSTER_DIMS(C) NAME(const graft_softmax::Params p) {                           \
-    graft_softmax::DIR##_bulk<T, C>(p);                                                     \
+    __VA_ARGS__(p);                                                                         \
   }
 #define GRAFT_SOFTMAX_BULKS(TAG, T)                                                          \
-  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk2_##TAG, fwd, T, 2)                              \
-  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk4_##TAG, fwd, T, 4)                              \
-  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk8_##TAG, fwd, T, 8)                              \
-  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk8_##TAG, bwd, T, 8)                              \
-  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk16_##TAG, bwd, T, 16)
+  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk2_##TAG, 2, graft_softmax::fwd_bulk<T, 2, true>)  \
+  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk4_##TAG, 4, graft_softmax::fwd_bulk<T, 4, false>) \
+  GRAFT_SOFTMAX_BULK(graft_softmax_fwd_bulk8_##TAG, 8, graft_softmax::fwd_bulk<T, 8, false>) \
+  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk8_##TAG, 8, graft_softmax::bwd_bulk<T, 8>)        \
+  GRAFT_SOFTMAX_BULK(graft_softmax_bwd_bulk16_##TAG, 16, graft_softmax::bwd_bulk<T, 16>)
 
 GRAFT_SOFTMAX_FWD(f32, float, float)
 GRAFT_SOFTMAX_FWD(f64, double, double)

@@ -121,11 +121,23 @@ const SPLITS: [u64; 3] = [2, 4, 8];
 /// with 8 blocks of 256 threads, 0.93 with 4 of 512; 131072 wide 0.92 with 8 of 256, against
 /// 0.89 and 0.84 for the split kernels; 262144 wide, whose buffers need clusters of 16, a
 /// non-portable size of which an H100 fits 7: 0.98-0.99 against 0.73-0.76). The forward's
-/// take the split kernels' cluster sizes (slices of at most 64 KB) and 512 threads, 256 in
-/// clusters of two (same lab, forward softmax / log-softmax: 65536 wide 0.91 / 0.92 in two
-/// blocks of 256, 131072 0.93 / 0.92 in four of 512, 262144 0.93 / 0.93 in eight of 512,
-/// against 0.85 / 0.89, 0.81 / 0.84 and 0.78 / 0.81 split).
+/// take the split kernels' cluster sizes (slices of at most 64 KB; same lab, forward softmax /
+/// log-softmax: 65536 wide 0.91 / 0.92 in two blocks, 131072 0.93 / 0.92 in four, 262144
+/// 0.93 / 0.93 in eight, against 0.85 / 0.89, 0.81 / 0.84 and 0.78 / 0.81 split) and
+/// `fwd_bulk_threads`.
 const BWD_BULK_SHAPES: [(u64, u32); 2] = [(8, 256), (16, 256)];
+/// The forward bulk kernels' block size: 256 threads for log-softmax, 512 for softmax, whose
+/// writing pass takes an exponential an element (H100, bf16, fraction of copy, 256 / 512
+/// threads, three runs each: log-softmax 65536 wide 0.93 / 0.92, 131072 0.92 / 0.90, 262144
+/// 0.94 / 0.93; softmax 0.88 / 0.93, 0.88 / 0.91, 0.90 / 0.93;
+/// bench/kernel_lab/softmax_fwd_store_sweep.py).
+fn fwd_bulk_threads(log: bool) -> u32 {
+    if log {
+        SLICE_THREADS
+    } else {
+        LOOP_THREADS
+    }
+}
 /// Preferred units per thread of the rows kernels.
 const PREF_V: u32 = 4;
 /// Threads per block the rows kernels aim for.
@@ -292,6 +304,8 @@ pub(crate) struct Problem {
     pub vec: bool,
     /// 16-bit input and output: the loop kernels' base-2 exponentials (`kFastExp`).
     pub fast_exp: bool,
+    /// Log-softmax (its forward bulk kernels' block size differs).
+    pub log: bool,
 }
 
 /// A launch: the kernel, its shape, and the parameters it reads from them.
@@ -383,10 +397,10 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
         split.unwrap_or(SPLITS[SPLITS.len() - 1])
     };
     if p.fast_exp && p.vec && c > 1 {
-        let shapes: &[(u64, u32)] = match (p.backward, split) {
+        let fwd_shape = split.map(|c| [(c, fwd_bulk_threads(p.log))]);
+        let shapes: &[(u64, u32)] = match (p.backward, &fwd_shape) {
             (true, _) => &BWD_BULK_SHAPES,
-            (false, Some(2)) => &[(2, SLICE_THREADS)],
-            (false, Some(c)) => &[(c, LOOP_THREADS)],
+            (false, Some(shape)) => shape,
             (false, None) => &[],
         };
         let bulk = shapes
@@ -539,6 +553,7 @@ pub fn softmax_forward(a: &SoftmaxForward) -> Result<(), CudaError> {
         inner: a.inner as u64,
         vec: vectorizable(&[a.x, a.y], a.dim, a.input.size()),
         fast_exp: a.input.size() == 2 && a.output.size() == 2,
+        log: a.log,
     };
     let params = SoftmaxParams {
         in0: a.x,
@@ -577,6 +592,7 @@ pub fn softmax_backward(a: &SoftmaxBackward) -> Result<(), CudaError> {
         inner: a.inner as u64,
         vec: vectorizable(&[a.dy, a.y, a.dx], a.dim, a.grad.size()),
         fast_exp: a.grad.size() == 2 && a.grad_input.size() == 2,
+        log: a.log,
     };
     let params = SoftmaxParams {
         in0: a.dy,
@@ -614,6 +630,7 @@ mod tests {
             inner,
             vec: true,
             fast_exp: elem == 2,
+            log: false,
         }
     }
 
@@ -764,13 +781,31 @@ mod tests {
         let mut f32_rows = problem(true, 4, 10, 65536, 1);
         f32_rows.fast_exp = false;
         assert_eq!(plan(&f32_rows, &dev).body, Body::Split { c: 8 });
-        // The forward: clusters of the split kernels' size, 512 threads (256 in pairs).
+        // The forward: clusters of the split kernels' size, 512 threads (256 for
+        // log-softmax).
         let pl = plan(&problem(false, 2, 1000, 65536, 1), &dev);
-        let (two, eight) = (Body::Bulk { c: 2 }, Body::Bulk { c: 8 });
+        let (two, four, eight) = (
+            Body::Bulk { c: 2 },
+            Body::Bulk { c: 4 },
+            Body::Bulk { c: 8 },
+        );
         assert_eq!(
             (pl.body, pl.smem, pl.block, pl.grid),
-            (two, 131072, 256, 30)
+            (two, 131072, 512, 30)
         );
+        let mut wide = problem(false, 2, 1000, 131072, 1);
+        assert_eq!(
+            (plan(&wide, &dev).body, plan(&wide, &dev).block),
+            (four, 512)
+        );
+        wide.log = true;
+        assert_eq!(
+            (plan(&wide, &dev).body, plan(&wide, &dev).block),
+            (four, 256)
+        );
+        let mut log_pairs = problem(false, 2, 1000, 65536, 1);
+        log_pairs.log = true;
+        assert_eq!(plan(&log_pairs, &dev).block, 256);
         let pl = plan(&problem(false, 2, 1000, 262144, 1), &dev);
         assert_eq!(
             (pl.body, pl.smem, pl.block, pl.grid),
