@@ -163,6 +163,22 @@ def test_layout_mismatch_is_an_error_like_aten():
         torch._fused_adamw_(*lists, amsgrad=False, **BASE)
 
 
+@pytest.mark.parametrize(("amsgrad", "which"), [(False, 1), (False, 3), (True, 4)])
+def test_stride_mismatch_is_an_error_like_aten(amsgrad, which):
+    """A tensor of a parameter's group with the parameter's sizes but other strides (here the
+    transpose of a (6, 4) buffer against a contiguous (4, 6) parameter)."""
+    lists = make_lists([24, 24], torch.float32, amsgrad)
+    lists[:5] = [[t.view(4, 6) for t in lst] for lst in lists[:5]]
+    lists[which][1] = lists[which][1].t().contiguous().t()
+    assert lists[which][1].shape == lists[0][1].shape
+    assert lists[which][1].stride() != lists[0][1].stride()
+    message = "must have same dtype, device, and layout"
+    with pytest.raises(RuntimeError, match=message):
+        torch._fused_adamw_(*clone(lists), amsgrad=amsgrad, **BASE)
+    with torchgraft.enabled(), pytest.raises(RuntimeError, match=message):
+        torch._fused_adamw_(*clone(lists), amsgrad=amsgrad, **BASE)
+
+
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_torch_optim_fused_adamw_unchanged(amsgrad):
     torch.manual_seed(0)

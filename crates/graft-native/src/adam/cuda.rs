@@ -6,11 +6,11 @@
 //! `float32` tensors on that device are converted first (ATen would read them as floats).
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{ensure, DType, Device, Kernel, Result, Tensor};
+use graft_abi::{ensure, is_dense, DType, Device, Kernel, Result, Tensor};
 use graft_cuda::{AdamMode, AdamStep, AdamTensor};
 use graft_kernels::adam::Mode;
 
-use super::{check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};
+use super::{counters, float_arg, has_layout, item, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;
 
 /// Calls of `aten::_fused_adam_` at CUDA.
@@ -98,25 +98,23 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
         let mut converted_steps = Vec::new();
         let mut tensors = Vec::with_capacity(call.params.len());
         for i in 0..call.params.len() {
+            // Each tensor's metadata is read once: with thousands of small tensors the calls
+            // into torch, not the kernel, set the step's time.
             let param = &call.params[i];
-            let mut group = vec![
-                ("params", param),
-                ("grads", &call.grads[i]),
-                ("exp_avgs", &call.exp_avgs[i]),
-                ("exp_avg_sqs", &call.exp_avg_sqs[i]),
-            ];
-            if call.amsgrad {
-                group.push(("max_exp_avg_sqs", &call.max_exp_avg_sqs[i]));
-            }
-            for (_, t) in &group {
-                let ok = t.device()? == device
+            let (sizes, strides) = (param.sizes()?, param.strides()?);
+            let mut ok =
+                param.device()? == device && param.dtype()? == dtype && is_dense(sizes, strides);
+            let moments = [&call.grads[i], &call.exp_avgs[i], &call.exp_avg_sqs[i]];
+            let max = call.amsgrad.then(|| &call.max_exp_avg_sqs[i]);
+            for t in moments.into_iter().chain(max) {
+                // Same sizes (so the same numel) and strides as the parameter: dense too.
+                ok = ok
+                    && t.device()? == device
                     && t.dtype()? == dtype
-                    && t.is_dense()?
-                    && same_layout(param, t)?;
-                ensure!(ok, "{layout_message}");
+                    && has_layout(t, sizes, strides)?;
             }
-            check_numel(i, &group)?;
-            let numel = param.numel()? as u64;
+            ensure!(ok, "{layout_message}");
+            let numel = sizes.iter().product::<i64>() as u64;
             if numel == 0 {
                 continue;
             }

@@ -195,13 +195,17 @@ pub fn check_numel(i: usize, group: &[(&str, &Tensor)]) -> Result<()> {
 
 /// Same sizes, and same strides where the size is not 1 (ATen's layout check of the lists).
 pub fn same_layout(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let sizes = a.sizes()?;
-    if sizes != b.sizes()? {
+    has_layout(b, a.sizes()?, a.strides()?)
+}
+
+/// Whether `t` has these sizes, and these strides where the size is not 1.
+pub fn has_layout(t: &Tensor, sizes: &[i64], strides: &[i64]) -> Result<bool> {
+    if sizes != t.sizes()? {
         return Ok(false);
     }
     Ok(sizes
         .iter()
-        .zip(a.strides()?.iter().zip(b.strides()?))
+        .zip(strides.iter().zip(t.strides()?))
         .all(|(&size, (sa, sb))| size == 1 || sa == sb))
 }
 
