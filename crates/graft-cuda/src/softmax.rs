@@ -397,10 +397,13 @@ pub(crate) fn plan(p: &Problem, dev: &DeviceView<'_>) -> Plan {
         split.unwrap_or(SPLITS[SPLITS.len() - 1])
     };
     if p.fast_exp && p.vec && c > 1 {
-        let fwd_shape = split.map(|c| [(c, fwd_bulk_threads(p.log))]);
-        let shapes: &[(u64, u32)] = match (p.backward, &fwd_shape) {
+        let fwd_shape;
+        let shapes: &[(u64, u32)] = match (p.backward, split) {
             (true, _) => &BWD_BULK_SHAPES,
-            (false, Some(shape)) => shape,
+            (false, Some(c)) => {
+                fwd_shape = [(c, fwd_bulk_threads(p.log))];
+                &fwd_shape
+            }
             (false, None) => &[],
         };
         let bulk = shapes
