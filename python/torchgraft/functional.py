@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 
 from torchgraft.ops.cross_entropy import custom_op as _ce
-from torchgraft.ops.glu import custom_op as _glu  # noqa: F401  (defines the ops' autograd)
+from torchgraft.ops.glu import custom_op as _glu
 from torchgraft.ops.linear_cross_entropy import custom_op as _lce  # noqa: F401  (autograd)
 from torchgraft.ops.model_rms_norm import custom_op as _rms_norm
 from torchgraft.ops.model_rms_norm.reference import acc_dtype as _acc_dtype
-from torchgraft.ops.rope import custom_op as _rope  # noqa: F401  (defines the ops' autograd)
+from torchgraft.ops.rope import custom_op as _rope
 
 __all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
 
@@ -37,7 +37,7 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
             non-contiguous tensors get ordinary allocated gradients. On CPU the kernel
             computes into temporaries and copies: the memory saving is on the GPU.
     """
-    return torch.ops.torchgraft.swiglu(gate, up, inplace_backward=inplace_backward)
+    return _glu.swiglu(gate, up, inplace_backward=inplace_backward)
 
 
 def geglu(
@@ -54,9 +54,7 @@ def geglu(
     """
     if approximate not in _GELU_APPROXIMATIONS:
         raise RuntimeError(f"approximate argument must be either none or tanh, got {approximate!r}")
-    return torch.ops.torchgraft.geglu(
-        gate, up, approximate == "tanh", inplace_backward=inplace_backward
-    )
+    return _glu.geglu(gate, up, approximate == "tanh", inplace_backward=inplace_backward)
 
 
 def rope(
@@ -95,9 +93,9 @@ def rope(
     q_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     k_dtype = torch.promote_types(k.dtype, torch.promote_types(cos.dtype, sin.dtype))
     if q.dtype == k.dtype == cos.dtype == sin.dtype:
-        return torch.ops.torchgraft.rope(q, k, cos, sin, unsqueeze_dim)
+        return _rope.rope(q, k, cos, sin, unsqueeze_dim)
     common = torch.promote_types(q_dtype, k_dtype)
-    q_embed, k_embed = torch.ops.torchgraft.rope(
+    q_embed, k_embed = _rope.rope(
         q.to(common), k.to(common), cos.to(common), sin.to(common), unsqueeze_dim
     )
     return q_embed.to(q_dtype), k_embed.to(k_dtype)
@@ -300,13 +298,13 @@ def rms_norm(
     if weight is None:
         if offset != 0:
             raise ValueError(f"rms_norm: offset={offset} needs a weight (offset + weight)")
-        return torch.ops.torchgraft.rms_norm(x, None, eps, 0.0, False)[0]
+        return _rms_norm.rms_norm(x, None, eps, 0.0, False)[0]
     if cast_before_weight and weight.dtype.is_floating_point and x.dtype.is_floating_point:
         out = torch.promote_types(x.dtype, weight.dtype)
         if out != x.dtype:
             # The product is wider than x: normalize in one kernel, multiply in the wider dtype.
             _rms_norm.check("rms_norm", x, weight, cast_before_weight=False)
-            xhat = torch.ops.torchgraft.rms_norm(x, None, eps, 0.0, False)[0]
+            xhat = _rms_norm.rms_norm(x, None, eps, 0.0, False)[0]
             scale = weight.to(out) + offset if offset != 0 else weight.to(out)
             return xhat.to(out) * scale
-    return torch.ops.torchgraft.rms_norm(x, weight, eps, offset, cast_before_weight)[0]
+    return _rms_norm.rms_norm(x, weight, eps, offset, cast_before_weight)[0]

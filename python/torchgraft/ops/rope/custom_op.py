@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgraft.ops.eager_autograd import autograd_caller
 from torchgraft.ops.native_ops import define_native_ops
 from torchgraft.ops.rope.reference import rotate_half
 
-__all__: list[str] = []
+__all__ = ["rope"]
 
 define_native_ops()
 
@@ -180,3 +181,5 @@ def _rope_grad(
 
 
 torch.library.register_autograd("torchgraft::rope", _rope_grad, setup_context=_save_inputs)
+# What torchgraft.functional.rope calls: the same formula with less host work per eager call.
+rope = autograd_caller(torch.ops.torchgraft.rope.default, _save_inputs, _rope_grad)
