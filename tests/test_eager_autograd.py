@@ -9,6 +9,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from conftest import rel_err
 from torchgraft import functional as tgf
+from torchgraft.ops.eager_autograd import autograd_caller
 from torchgraft.ops.rope.reference import rope_reference
 
 
@@ -129,3 +130,10 @@ def test_tensor_subclasses_go_through_the_op():
     assert isinstance(y, TwoTensor)
     assert type(y.grad_fn).__name__.startswith("GeneratedBackwardFor_torchgraft")
     assert torch.equal(y.a, tgf.swiglu(g, u)) and torch.equal(y.b, tgf.swiglu(2 * g, u))
+
+
+def test_keyword_only_tensor_arguments_are_refused():
+    lib = torch.library.Library("torchgraft_test_eager", "FRAGMENT")
+    lib.define("kw_tensor(Tensor x, *, Tensor y) -> Tensor")
+    with pytest.raises(ValueError, match="keyword-only tensor arguments"):
+        autograd_caller(torch.ops.torchgraft_test_eager.kw_tensor.default, print, print)

@@ -29,17 +29,6 @@ __all__ = ["autograd_caller"]
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args: tuple[Any, ...]) -> bool:
-    """Whether a call with ``args`` is eager and on plain tensors only."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor))
-
-
-def _requires_grad(args: tuple[Any, ...]) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
-
-
 def autograd_caller(
     op: torch._ops.OpOverload,
     setup_context: Callable[..., None],
@@ -54,7 +43,11 @@ def autograd_caller(
     call is ``op(*args, **kwargs)``. Pass every positional argument: ``setup_context`` sees
     ``args`` as given, with no schema defaults filled in.
     """
-    takes_keyword_only = any(a.kwarg_only for a in op._schema.arguments)
+    keyword_only = [a for a in op._schema.arguments if a.kwarg_only]
+    if any("Tensor" in str(a.type) for a in keyword_only):
+        # `call` looks for tensors (plain? requiring grad?) among the positional arguments only.
+        raise ValueError(f"{op}: keyword-only tensor arguments are not supported")
+    takes_keyword_only = bool(keyword_only)
 
     # The keyword-only arguments travel as the last input, a dict (as register_autograd's own
     # Function passes them); it gets no gradient and is hidden from `backward`.
@@ -86,9 +79,15 @@ def autograd_caller(
     )
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not _plain_eager(args):
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return op(*args, **kwargs)
-        if _requires_grad(args):
+        requires_grad = False
+        for a in args:
+            if isinstance(a, Tensor):
+                if type(a) not in _PLAIN_TENSORS:
+                    return op(*args, **kwargs)
+                requires_grad = requires_grad or a.requires_grad
+        if requires_grad and torch.is_grad_enabled():
             return function.apply(*args, kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)
