@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["autograd_caller"]
+__all__ = ["autograd_caller", "register_autograd"]
 
 # Tensor types that take the direct path: no __torch_dispatch__ or __torch_function__ of their own.
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
@@ -95,3 +95,15 @@ def autograd_caller(
     call.__name__ = call.__qualname__ = op._opname
     call.__doc__ = f"``{op}`` with its autograd formula (see torchgraft.ops.eager_autograd)."
     return call
+
+
+def register_autograd(
+    op: torch._ops.OpOverload,
+    backward: Callable[..., Any],
+    setup_context: Callable[..., None],
+) -> Callable[..., Any]:
+    """Registers ``backward`` and ``setup_context`` for ``op`` with
+    ``torch.library.register_autograd`` and returns :func:`autograd_caller`'s function for the
+    same pair, so the op and the direct path cannot disagree."""
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+    return autograd_caller(op, setup_context, backward)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.eager_autograd import autograd_caller
+from torchgraft.ops.eager_autograd import register_autograd
 from torchgraft.ops.native_ops import define_native_ops
 
 __all__ = ["geglu", "swiglu"]
@@ -113,8 +113,6 @@ def _geglu_grad(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
     return dgate, dup, None
 
 
-torch.library.register_autograd("torchgraft::swiglu", _swiglu_grad, setup_context=_save_inputs)
-torch.library.register_autograd("torchgraft::geglu", _geglu_grad, setup_context=_save_inputs)
-# What torchgraft.functional calls: the same formulas with less host work per eager call.
-swiglu = autograd_caller(torch.ops.torchgraft.swiglu.default, _save_inputs, _swiglu_grad)
-geglu = autograd_caller(torch.ops.torchgraft.geglu.default, _save_inputs, _geglu_grad)
+# The ops' autograd, and what torchgraft.functional calls: the same formulas, less host work.
+swiglu = register_autograd(torch.ops.torchgraft.swiglu.default, _swiglu_grad, _save_inputs)
+geglu = register_autograd(torch.ops.torchgraft.geglu.default, _geglu_grad, _save_inputs)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.eager_autograd import autograd_caller
+from torchgraft.ops.eager_autograd import register_autograd
 from torchgraft.ops.native_ops import define_native_ops
 
 from .reference import acc_dtype
@@ -137,6 +137,5 @@ def _backward(
     return (dx if want_dx else None), (dw if want_dw else None), None, None, None
 
 
-torch.library.register_autograd("torchgraft::rms_norm", _backward, setup_context=_setup_context)
-# What torchgraft.functional.rms_norm calls: the same formula with less host work per eager call.
-rms_norm = autograd_caller(torch.ops.torchgraft.rms_norm.default, _setup_context, _backward)
+# The op's autograd, and what torchgraft.functional.rms_norm calls (less host work per call).
+rms_norm = register_autograd(torch.ops.torchgraft.rms_norm.default, _backward, _setup_context)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.eager_autograd import autograd_caller
+from torchgraft.ops.eager_autograd import register_autograd
 from torchgraft.ops.native_ops import define_native_ops
 from torchgraft.ops.rope.reference import rotate_half
 
@@ -180,6 +180,5 @@ def _rope_grad(
     return dq, dk, dcos, dsin, None
 
 
-torch.library.register_autograd("torchgraft::rope", _rope_grad, setup_context=_save_inputs)
-# What torchgraft.functional.rope calls: the same formula with less host work per eager call.
-rope = autograd_caller(torch.ops.torchgraft.rope.default, _save_inputs, _rope_grad)
+# The op's autograd, and what torchgraft.functional.rope calls (less host work per call).
+rope = register_autograd(torch.ops.torchgraft.rope.default, _rope_grad, _save_inputs)
