@@ -90,10 +90,10 @@ def rope(
     """
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
         raise TypeError(f"unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__}")
-    q_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
-    k_dtype = torch.promote_types(k.dtype, torch.promote_types(cos.dtype, sin.dtype))
     if q.dtype == k.dtype == cos.dtype == sin.dtype:
         return _rope.rope(q, k, cos, sin, unsqueeze_dim)
+    q_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    k_dtype = torch.promote_types(k.dtype, torch.promote_types(cos.dtype, sin.dtype))
     common = torch.promote_types(q_dtype, k_dtype)
     q_embed, k_embed = _rope.rope(
         q.to(common), k.to(common), cos.to(common), sin.to(common), unsqueeze_dim
