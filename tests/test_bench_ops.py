@@ -138,6 +138,20 @@ def test_bench_quick_cpu_checks_every_route_and_counts_grafts(op, tmp_path):
             assert any(key.endswith("/CPU") and v["calls"] > 0 for key, v in m["grafts"].items())
         else:
             assert m["grafts"] is None and m["grafted"] is None
+    # Ops that give PASSES have a memory floor per shape and mode, of the bytes the mode moves.
+    floors = {(f["shape"], f["mode"]): f for f in data["floors"]}
+    if not hasattr(op, "PASSES"):
+        assert floors == {}
+    else:
+        assert set(floors) == {(s, mode) for s in shapes for mode in op.MODES}
+        for shape in op.default_shapes(CPU, True):
+            problem = op.Problem(shape, torch.float32, CPU)
+            for mode in op.MODES:
+                floor = floors["x".join(map(str, shape)), mode]
+                assert floor["route"] == "floor"
+                assert floor["bytes"] == op.bytes_moved(problem, mode)
+                assert floor["median_ms"] > 0
+        assert "floor: the memory floor" in result.stdout
     # Routes left out are in the JSON with their reason, and printed.
     skipped = {r["name"]: r["skipped"] for r in data["routes"] if r["skipped"]}
     assert "--quick" in skipped["compile"]
@@ -244,3 +258,24 @@ def test_tables_show_extra_peak_memory_and_the_ops_baseline():
     assert json.loads(json.dumps(report.to_json()))["measurements"][0]["extra_peak_bytes"] == (
         3 * 2**30
     )
+
+
+def test_floor_call_moves_the_bytes_in_one_copy_per_pass():
+    moved, passes = 32_000, 2
+    call = harness.floor_call(moved, passes, CPU)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        call()
+    copies = [e for e in prof.events() if e.name == "aten::copy_"]
+    assert len(copies) == passes
+    # Each copy reads and writes its float32 elements: together, `moved` bytes.
+    assert sum(2 * 4 * e.input_shapes[0][0] for e in copies) == moved
+
+
+def test_floor_call_copies_large_passes_in_pieces(monkeypatch):
+    monkeypatch.setattr(harness, "COPY_CHUNK_BYTES", 1000 * 4)
+    moved, passes = 2 * 4 * 2500 * 2, 2  # 2500 float32 elements per pass
+    call = harness.floor_call(moved, passes, CPU)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        call()
+    sizes = [e.input_shapes[0][0] for e in prof.events() if e.name == "aten::copy_"]
+    assert sizes == [1000, 1000, 500] * passes

@@ -16,6 +16,7 @@ from . import glu
 from .fused_common import TOLERANCE, default_dtype
 from .glu import (
     MODES,
+    PASSES,
     Inputs,
     Problem,
     bytes_moved,
@@ -32,6 +33,7 @@ __all__ = [
     "BASELINE",
     "MODES",
     "OP",
+    "PASSES",
     "PEAK_MEMORY",
     "TOLERANCE",
     "Inputs",

@@ -27,10 +27,13 @@ from .fused_common import (
 from .problem import ShapedProblem
 from .routes import Route, always_available, stock_dispatch
 
-__all__ = ["MODES", "Glu", "GluFn", "Inputs", "Problem"]
+__all__ = ["MODES", "PASSES", "Glu", "GluFn", "Inputs", "Problem"]
 
 MODES = ("fwd", "fwd+bwd")
 """``fwd``: the forward alone; ``fwd+bwd``: forward, then backward to gate and up."""
+
+PASSES = {"fwd": 1, "fwd+bwd": 2}
+"""Passes over memory (kernels) a mode takes at least: the forward's, then the backward's."""
 
 GluFn = Callable[[Tensor, Tensor], Tensor]
 """``fn(gate, up) -> act(gate) * up``."""

@@ -12,7 +12,7 @@ import datetime
 import importlib.metadata
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
@@ -47,7 +47,8 @@ route speedups are against), PEAK_MEMORY (whether each call's extra peak memory 
 Problem(shape, dtype, device) with a ``label``, default_shapes(device, quick),
 default_dtype(device), check_shape(shape), bytes_moved(problem, mode), make_inputs(problem)
 (whose ``x`` is the tensor copied for the bandwidth ceiling), reference(inputs, mode) (float64),
-run_once(fn, inputs, mode), timed_call(fn, inputs, mode) and routes()."""
+run_once(fn, inputs, mode), timed_call(fn, inputs, mode) and routes(). An op may also give PASSES
+(the kernels each mode takes at least): its report then has each mode's memory floor."""
 
 
 NOT_SELECTED = "not selected (--routes)"
@@ -132,6 +133,9 @@ class BenchReport:
     """The route the table's speedups are against (the op's BASELINE)."""
     copies: list[Measurement] = field(default_factory=list)
     """``x.clone()`` per shape (route ``"copy"``): the device's copy bandwidth."""
+    floors: list[Measurement] = field(default_factory=list)
+    """Per shape and mode (route ``"floor"``), for ops with PASSES: copies that move the mode's
+    ``bytes_moved``, one per pass, timed as the routes are (see :func:`floor_call`)."""
     measurements: list[Measurement] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
     cuda_graph: bool = False
@@ -165,7 +169,7 @@ class BenchReport:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (see docs/cli.md for the fields)."""
         data = asdict(self)
-        for key in ("copies", "measurements"):
+        for key in ("copies", "floors", "measurements"):
             for entry, m in zip(data[key], getattr(self, key), strict=True):
                 entry["grafted"] = m.grafted
         return data
@@ -342,6 +346,34 @@ def run(config: BenchConfig, *, progress: bool = False, command: str = "") -> Be
     return report
 
 
+COPY_CHUNK_BYTES = 256 * 2**20
+"""The most a floor copies in one call of ``copy_``. Captured in a CUDA graph, a copy becomes a
+memcpy node, and on the H100 one over 1.07 GB took 0.888 ms against 0.716 ms uncaptured, while
+the same bytes in four copies took 0.719 ms captured (torch 2.11; docs/fused_elementwise.md)."""
+
+
+def floor_call(moved: int, passes: int, device: torch.device) -> Callable[[], object]:
+    """A call that makes ``passes`` copies, each between buffers of its own, which together
+    read and write ``moved`` bytes: the least time an implementation that passes over memory
+    that many times can take (its memory floor), measured as the routes are (the L2 cache
+    flushed before each call, so each copy reads from memory as each kernel of a route does).
+    Each copy goes in pieces of at most :data:`COPY_CHUNK_BYTES`."""
+    # float32 elements: torch copies them as fast as any kernel of
+    # bench/kernel_lab/copy_bandwidth_sweep.py (H100).
+    elements = max(1, moved // (2 * passes * 4))
+    chunk = max(1, COPY_CHUNK_BYTES // 4)
+    pieces = []
+    for _ in range(passes):
+        src, dst = torch.rand(elements, device=device), torch.empty(elements, device=device)
+        pieces += [(src[i : i + chunk], dst[i : i + chunk]) for i in range(0, elements, chunk)]
+
+    def copies() -> None:
+        for src, dst in pieces:
+            dst.copy_(src)
+
+    return copies
+
+
 def _run_shape(
     op: ModuleType,
     problem: Any,
@@ -358,6 +390,16 @@ def _run_shape(
     copy_bytes = 2 * inputs.x.numel() * inputs.x.element_size()
     copy = timing.measure(inputs.x.clone, device, quick=config.quick)
     report.copies.append(_measurement("copy", "copy", label, copy_bytes, copy, 0.0, None))
+    passes = getattr(op, "PASSES", None)
+    for mode in config.modes if passes is not None else ():
+        bar.show(f"{label}: {mode}: memory floor")
+        moved = op.bytes_moved(problem, mode)
+        call = floor_call(moved, passes[mode], device)
+        if config.cuda_graph:
+            call = timing.graphed(call, device)
+        floor = timing.measure(call, device, quick=config.quick)
+        del call
+        report.floors.append(_measurement("floor", mode, label, moved, floor, 0.0, None))
     for route in chosen:
         try:
             with route.dispatch():

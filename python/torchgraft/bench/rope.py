@@ -37,6 +37,7 @@ __all__ = [
     "BASELINE",
     "MODES",
     "OP",
+    "PASSES",
     "PEAK_MEMORY",
     "TOLERANCE",
     "Inputs",
@@ -60,6 +61,8 @@ OP_SYMBOLS = ("mul", "add", "cat", "neg")
 """The aten ops of the eager formula (torch._native's overrides of them are kept off)."""
 MODES = ("fwd", "fwd+bwd")
 """``fwd``: the forward alone; ``fwd+bwd``: forward, then backward to the q and k projections."""
+PASSES = {"fwd": 1, "fwd+bwd": 2}
+"""Passes over memory (kernels) a mode takes at least: the forward's, then the backward's."""
 BASELINE = "eager"
 """The route the table's speedups are against."""
 PEAK_MEMORY = False

@@ -15,6 +15,7 @@ from . import glu
 from .fused_common import TOLERANCE, default_dtype
 from .glu import (
     MODES,
+    PASSES,
     Inputs,
     Problem,
     bytes_moved,
@@ -30,6 +31,7 @@ __all__ = [
     "BASELINE",
     "MODES",
     "OP",
+    "PASSES",
     "PEAK_MEMORY",
     "TOLERANCE",
     "Inputs",

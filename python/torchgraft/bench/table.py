@@ -11,6 +11,10 @@ NOTE_NOT_GRAFTED = (
     f"{NOT_GRAFTED} the route's graft did not run for this shape (its condition declined): "
     "the kernel below it ran."
 )
+NOTE_FLOOR = (
+    "floor: the memory floor, ms: copies moving the bytes an ideal implementation moves, one "
+    "per pass over memory (the forward's, then the backward's), timed as the routes are."
+)
 NOTE_PEAK = (
     "+N: extra peak memory of one call (torch.cuda.max_memory_allocated over the call minus "
     "what was allocated before it)."
@@ -85,13 +89,17 @@ def _footer(report: BenchReport) -> list[str]:
 
 def format_terminal(report: BenchReport, width: int = 120) -> str:
     """Route rows x shape columns per mode, split into column groups that fit ``width``."""
-    routes = [*report.tried_routes(), "copy"]
+    routes = [*report.tried_routes(), *(["floor"] if report.floors else []), "copy"]
     first = max(len(r) for r in routes) + 2
     out: list[str] = []
     for mode in report.modes:
         out.append(_mode_title(report, mode))
         cells = {
-            (r, s): _copy_cell(report, s) if r == "copy" else _cell(report, r, mode, s)
+            (r, s): _copy_cell(report, s)
+            if r == "copy"
+            else _floor_cell(report, mode, s)
+            if r == "floor"
+            else _cell(report, r, mode, s)
             for r in routes
             for s in report.shapes
         }
@@ -103,6 +111,8 @@ def format_terminal(report: BenchReport, width: int = 120) -> str:
             for r in routes:
                 out.append(r.ljust(first) + "".join(cells[r, s].rjust(col) for s in shapes))
             out.append("")
+    if report.floors:
+        out.append(NOTE_FLOOR)
     out.append("copy: x.clone(), ms and GB/s (the bandwidth ceiling).")
     out.extend(_footer(report))
     return "\n".join(out).rstrip() + "\n"
@@ -115,6 +125,13 @@ def _copy_cell(report: BenchReport, shape: str) -> str:
     return "-"
 
 
+def _floor_cell(report: BenchReport, mode: str, shape: str) -> str:
+    for f in report.floors:
+        if (f.mode, f.shape) == (mode, shape):
+            return format_ms(f.median_ms)
+    return "-"
+
+
 def format_markdown(report: BenchReport) -> str:
     """Shape rows x route columns per mode (fits a README), then the skipped routes."""
     routes = report.tried_routes()
@@ -122,12 +139,17 @@ def format_markdown(report: BenchReport) -> str:
     for mode in report.modes:
         out.append(f"**{_mode_title(report, mode)}**")
         out.append("")
-        out.append("| shape | " + " | ".join(routes) + " | copy GB/s |")
-        out.append("|---" * (len(routes) + 2) + "|")
+        floor = ["floor"] if report.floors else []
+        out.append("| shape | " + " | ".join([*routes, *floor]) + " | copy GB/s |")
+        out.append("|---" * (len(routes) + len(floor) + 2) + "|")
         for shape in report.shapes:
             cells = [_cell(report, r, mode, shape, markdown=True) for r in routes]
+            cells += [_floor_cell(report, mode, shape) for _ in floor]
             copy = next((f"{c.gbps:.3g}" for c in report.copies if c.shape == shape), "-")
             out.append(f"| {shape} | " + " | ".join(cells) + f" | {copy} |")
+        out.append("")
+    if report.floors:
+        out.append(NOTE_FLOOR)
         out.append("")
     footer = _footer(report)
     if footer:
