@@ -4,7 +4,9 @@ composites they replace, in one process.
 Forward (no grad) and forward+backward (autograd, a fixed output gradient), bf16 and f32; eager
 and torchgraft run alternately, and for each the median and least wall time and the least
 process CPU time (every thread's) of ``--repeats`` runs are kept. Issue 13's target:
-forward+backward >= 3x faster than eager in bf16. Prints a table; writes JSON to
+forward+backward >= 3x faster than eager in bf16. Each row also gives the memory floor: copies
+moving the bytes the pass (or passes) read and write, and eager's time over it, the most any
+implementation can gain on this machine. Prints a table; writes JSON to
 bench/results/fused_elementwise_cpu.json.
 
     python bench/fused_elementwise_cpu.py [--repeats 15] [--glu-shape 2048x4096] [--tokens 1024]
@@ -36,11 +38,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from torchgraft import functional as tgf  # noqa: E402
 from torchgraft.bench.geglu import geglu_eager  # noqa: E402
+from torchgraft.bench.harness import describe_device, floor_call  # noqa: E402
 from torchgraft.bench.rope import llama_rope  # noqa: E402
 from torchgraft.bench.swiglu import swiglu_eager  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 TARGET = 3.0  # forward+backward speedup over eager in bf16
+PASSES = {"forward": 1, "forward_backward": 2}  # passes over memory an implementation makes
 
 
 def measure_pair(
@@ -65,6 +69,19 @@ def measure_pair(
         }
         for wall, cpu in samples.values()
     )
+
+
+def floor_ms(moved: int, passes: int, repeats: int) -> float:
+    """Median wall milliseconds of copies that move ``moved`` bytes in ``passes`` passes: what
+    memory bandwidth allows an implementation (the memory floor, bench.harness.floor_call)."""
+    copies = floor_call(moved, passes, torch.device("cpu"))
+    copies()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copies()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def glu_cases(shape: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
@@ -92,6 +109,9 @@ def glu_cases(shape: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
                 up.grad = None
 
             routes[route] = {"forward": forward, "forward_backward": forward_backward}
+        # Forward: gate and up read, y written; backward: gate, up, dy read, two gradients written.
+        size = gate.numel() * gate.element_size()
+        routes["moved"] = {"forward": 3 * size, "forward_backward": 8 * size}
         cases[name] = routes
     return cases
 
@@ -128,6 +148,10 @@ def rope_cases(tokens: int, dtype: torch.dtype) -> dict[str, Any]:
             kp.grad = None
 
         routes[route] = {"forward": forward, "forward_backward": forward_backward}
+    # Each pass reads q and k (or their gradients) and the tables, and writes q and k.
+    item = qp.element_size()
+    forward = (2 * (qp.numel() + kp.numel()) + 2 * cos.numel()) * item
+    routes["moved"] = {"forward": forward, "forward_backward": 2 * forward}
     return {"rope": routes}
 
 
@@ -144,7 +168,7 @@ def main() -> None:
     load_before = os.getloadavg()
     print(
         f"{'op':11} {'dtype':5} {'pass':16} {'eager ms':>9} {'tg ms':>8} {'speedup':>8} "
-        f"{'cpu-time speedup':>17}"
+        f"{'cpu-time speedup':>17} {'floor ms':>9} {'eager/floor':>12}"
     )
     for dtype_name, dtype in DTYPES.items():
         cases = {**glu_cases(glu_shape, dtype), **rope_cases(args.tokens, dtype)}
@@ -153,11 +177,16 @@ def main() -> None:
                 eager, fused = measure_pair(
                     routes["eager"][mode], routes["torchgraft"][mode], args.repeats
                 )
+                floor = floor_ms(routes["moved"][mode], PASSES[mode], args.repeats)
                 row = {
                     "eager": eager,
                     "torchgraft": fused,
                     "speedup_wall": eager["wall_ms"] / fused["wall_ms"],
                     "speedup_cpu": eager["cpu_ms"] / fused["cpu_ms"],
+                    "bytes_moved": routes["moved"][mode],
+                    "floor_ms": floor,
+                    # The largest speedup over eager that memory bandwidth allows.
+                    "eager_over_floor": eager["wall_ms"] / floor,
                 }
                 results[f"{op}/{dtype_name}/{mode}"] = row
                 mark = ""
@@ -166,10 +195,11 @@ def main() -> None:
                 print(
                     f"{op:11} {dtype_name:5} {mode:16} {eager['wall_ms']:9.2f} "
                     f"{fused['wall_ms']:8.2f} {row['speedup_wall']:7.2f}x "
-                    f"{row['speedup_cpu']:16.2f}x{mark}"
+                    f"{row['speedup_cpu']:16.2f}x {floor:9.2f} {row['eager_over_floor']:11.2f}x"
+                    f"{mark}"
                 )
     report = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": describe_device(torch.device("cpu"))["name"] or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "glu_shape": list(glu_shape),
