@@ -8,10 +8,10 @@ struct CopyParams {
   long long n;  // 16-byte packs
 };
 
-// U packs per thread, loads before stores; a grid that covers the packs (each thread runs once).
+// The U packs of this thread starting at pack `base` (a block's packs interleaved: pack
+// base + u * blockDim.x), all loads before the stores.
 template <int U>
-__device__ __forceinline__ void copy_covering(const CopyParams& p) {
-  const long long base = (long long)blockIdx.x * blockDim.x * U + threadIdx.x;
+__device__ __forceinline__ void copy_packs(const CopyParams& p, long long base) {
   uint4 r[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -25,23 +25,19 @@ __device__ __forceinline__ void copy_covering(const CopyParams& p) {
   }
 }
 
-// The same with a grid of fewer blocks, each looping over the packs (grid-stride).
+// A grid that covers the packs: each thread copies U of them once.
+template <int U>
+__device__ __forceinline__ void copy_covering(const CopyParams& p) {
+  copy_packs<U>(p, (long long)blockIdx.x * blockDim.x * U + threadIdx.x);
+}
+
+// A grid of fewer blocks, each looping over the packs (grid-stride).
 template <int U>
 __device__ __forceinline__ void copy_striding(const CopyParams& p) {
   const long long stride = (long long)gridDim.x * blockDim.x * U;
   for (long long base = (long long)blockIdx.x * blockDim.x * U + threadIdx.x; base < p.n;
        base += stride) {
-    uint4 r[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const long long i = base + (long long)u * blockDim.x;
-      if (i < p.n) r[u] = p.src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const long long i = base + (long long)u * blockDim.x;
-      if (i < p.n) p.dst[i] = r[u];
-    }
+    copy_packs<U>(p, base);
   }
 }
 
