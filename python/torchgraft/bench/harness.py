@@ -355,8 +355,8 @@ the same bytes in four copies took 0.719 ms captured (torch 2.11; docs/fused_ele
 def floor_call(moved: int, passes: int, device: torch.device) -> Callable[[], object]:
     """A call that makes ``passes`` copies, each between buffers of its own, which together
     read and write ``moved`` bytes: the least time an implementation that passes over memory
-    that many times can take (its memory floor), measured as the routes are (the L2 cache
-    flushed before each call, so each copy reads from memory as each kernel of a route does).
+    that many times can take (its memory floor), when timed as the routes are (on CUDA the L2
+    cache is flushed before each call, so each copy reads from memory as a route's kernels do).
     Each copy goes in pieces of at most :data:`COPY_CHUNK_BYTES`."""
     # float32 elements: torch copies them as fast as any kernel of
     # bench/kernel_lab/copy_bandwidth_sweep.py (H100).
