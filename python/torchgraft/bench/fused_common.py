@@ -20,6 +20,7 @@ from torchgraft import native
 from .routes import RouteUnavailable, module_available
 
 __all__ = [
+    "ELEMENTWISE_PASSES",
     "IGNORE_INDEX",
     "TOLERANCE",
     "TORCHGRAFT_GRAFTS",
@@ -33,6 +34,10 @@ __all__ = [
     "randn",
     "torchgraft_unavailable",
 ]
+
+ELEMENTWISE_PASSES = {"fwd": 1, "fwd+bwd": 2}
+"""Passes over memory (kernels) a fused elementwise op's mode takes at least: the forward's,
+then the backward's (an op module's PASSES, for its memory floor)."""
 
 IGNORE_INDEX = -100
 """The losses' ``ignore_index`` (PyTorch's and transformers' default)."""

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .fused_common import (
+    ELEMENTWISE_PASSES,
     TORCHGRAFT_GRAFTS,
     compiled,
     liger_attr,
@@ -32,8 +33,7 @@ __all__ = ["MODES", "PASSES", "Glu", "GluFn", "Inputs", "Problem"]
 MODES = ("fwd", "fwd+bwd")
 """``fwd``: the forward alone; ``fwd+bwd``: forward, then backward to gate and up."""
 
-PASSES = {"fwd": 1, "fwd+bwd": 2}
-"""Passes over memory (kernels) a mode takes at least: the forward's, then the backward's."""
+PASSES = ELEMENTWISE_PASSES
 
 GluFn = Callable[[Tensor, Tensor], Tensor]
 """``fn(gate, up) -> act(gate) * up``."""

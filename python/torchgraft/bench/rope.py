@@ -20,6 +20,7 @@ from torch import Tensor
 from torchgraft.ops.rope.reference import rotate_half
 
 from .fused_common import (
+    ELEMENTWISE_PASSES,
     TOLERANCE,
     TORCHGRAFT_GRAFTS,
     compiled,
@@ -61,8 +62,7 @@ OP_SYMBOLS = ("mul", "add", "cat", "neg")
 """The aten ops of the eager formula (torch._native's overrides of them are kept off)."""
 MODES = ("fwd", "fwd+bwd")
 """``fwd``: the forward alone; ``fwd+bwd``: forward, then backward to the q and k projections."""
-PASSES = {"fwd": 1, "fwd+bwd": 2}
-"""Passes over memory (kernels) a mode takes at least: the forward's, then the backward's."""
+PASSES = ELEMENTWISE_PASSES
 BASELINE = "eager"
 """The route the table's speedups are against."""
 PEAK_MEMORY = False
