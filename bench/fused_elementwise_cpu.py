@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from torchgraft import functional as tgf  # noqa: E402
+from torchgraft.bench import timing  # noqa: E402
 from torchgraft.bench.geglu import geglu_eager  # noqa: E402
 from torchgraft.bench.harness import describe_device, floor_call  # noqa: E402
 from torchgraft.bench.rope import llama_rope  # noqa: E402
@@ -71,17 +72,12 @@ def measure_pair(
     )
 
 
-def floor_ms(moved: int, passes: int, repeats: int) -> float:
+def floor_ms(moved: int, passes: int) -> float:
     """Median wall milliseconds of copies that move ``moved`` bytes in ``passes`` passes: what
-    memory bandwidth allows an implementation (the memory floor, bench.harness.floor_call)."""
-    copies = floor_call(moved, passes, torch.device("cpu"))
-    copies()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copies()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    memory bandwidth allows an implementation (the memory floor, bench.harness.floor_call),
+    timed as ``torchgraft bench`` times the CPU."""
+    cpu = torch.device("cpu")
+    return timing.measure(floor_call(moved, passes, cpu), cpu).median_ms
 
 
 def glu_cases(shape: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
@@ -177,7 +173,7 @@ def main() -> None:
                 eager, fused = measure_pair(
                     routes["eager"][mode], routes["torchgraft"][mode], args.repeats
                 )
-                floor = floor_ms(routes["moved"][mode], PASSES[mode], args.repeats)
+                floor = floor_ms(routes["moved"][mode], PASSES[mode])
                 row = {
                     "eager": eager,
                     "torchgraft": fused,

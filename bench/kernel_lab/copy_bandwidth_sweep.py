@@ -21,9 +21,14 @@ class CopyParams(ctypes.Structure):
     _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("n", ctypes.c_int64)]
 
 
+def copy_bytes(megabytes: int) -> int:
+    """``megabytes`` MB, rounded down to whole 4 KiB."""
+    return megabytes * 1_000_000 // 4096 * 4096
+
+
 def sweep(module: Module, megabytes: int) -> dict[str, float]:
     """Median ms of each copy of ``megabytes`` MB (read, and as much written)."""
-    nbytes = megabytes * 1_000_000 // 4096 * 4096
+    nbytes = copy_bytes(megabytes)
     src = torch.rand(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     half_src, half_dst = src.view(torch.bfloat16), dst.view(torch.bfloat16)
@@ -59,7 +64,7 @@ def main() -> None:
     module = Module(Path(__file__).with_name("copy_bandwidth.cu"))
     for megabytes in (42, 86, 172):
         print(f"== {megabytes} MB read and {megabytes} MB written")
-        nbytes = megabytes * 1_000_000 // 4096 * 4096
+        nbytes = copy_bytes(megabytes)
         for what, ms in sweep(module, megabytes).items():
             print(f"{what:36s} {ms * 1e3:7.2f} us  {2 * nbytes / ms / 1e9:5.2f} TB/s")
 

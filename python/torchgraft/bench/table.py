@@ -94,15 +94,7 @@ def format_terminal(report: BenchReport, width: int = 120) -> str:
     out: list[str] = []
     for mode in report.modes:
         out.append(_mode_title(report, mode))
-        cells = {
-            (r, s): _copy_cell(report, s)
-            if r == "copy"
-            else _floor_cell(report, mode, s)
-            if r == "floor"
-            else _cell(report, r, mode, s)
-            for r in routes
-            for s in report.shapes
-        }
+        cells = {(r, s): _row_cell(report, r, mode, s) for r in routes for s in report.shapes}
         col = max([len(s) for s in report.shapes] + [len(c) for c in cells.values()]) + 2
         per_group = max(1, (width - first) // col)
         for start in range(0, len(report.shapes), per_group):
@@ -116,6 +108,15 @@ def format_terminal(report: BenchReport, width: int = 120) -> str:
     out.append("copy: x.clone(), ms and GB/s (the bandwidth ceiling).")
     out.extend(_footer(report))
     return "\n".join(out).rstrip() + "\n"
+
+
+def _row_cell(report: BenchReport, row: str, mode: str, shape: str) -> str:
+    """A terminal table cell: a route's, or the floor's or the copy's row."""
+    if row == "copy":
+        return _copy_cell(report, shape)
+    if row == "floor":
+        return _floor_cell(report, mode, shape)
+    return _cell(report, row, mode, shape)
 
 
 def _copy_cell(report: BenchReport, shape: str) -> str:
