@@ -151,6 +151,18 @@ def is_enabled() -> bool:
     return _enabled
 
 
+_disabled_ops: frozenset[str] = frozenset()
+"""Operator symbols switched off one by one (bare names: ``"_fused_rms_norm"``, ``"swiglu"``)."""
+
+
+def adopted_layers_active(op: str) -> bool:
+    """Whether a layer :func:`torchgraft.adopt` routed to operator ``op`` (a bare symbol such as
+    ``"swiglu"``) runs torchgraft's path now: torchgraft is enabled and ``op`` is not switched
+    off. Otherwise the layer runs the model's own code. Cheap: adopted layers ask on every
+    call."""
+    return _enabled and op not in _disabled_ops
+
+
 @contextlib.contextmanager
 def enabled(routes: Iterable[str] | None = None) -> Iterator[None]:
     """Enable torchgraft inside a ``with`` block (see :func:`enable`); restore the previous state
