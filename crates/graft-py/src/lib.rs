@@ -5,10 +5,15 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// Registers the native grafts with the dispatcher (idempotent). `import torch` must come first.
+/// Registers the native grafts with the dispatcher, except those of the ops named in `disabled`
+/// (bare symbols: `_fused_rms_norm`, `_fused_adam_.tensor_lr`). Idempotent; called again with
+/// other ops left out, it registers the grafts again without them. `import torch` must come
+/// first.
 #[pyfunction]
-fn enable() -> PyResult<()> {
-    graft_native::enable().map_err(|e| PyRuntimeError::new_err(e.to_string()))
+#[pyo3(signature = (disabled = Vec::new()))]
+fn enable(disabled: Vec<String>) -> PyResult<()> {
+    let disabled: Vec<&str> = disabled.iter().map(String::as_str).collect();
+    graft_native::enable_except(&disabled).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 /// Removes the native grafts, restoring the kernels that were there before (idempotent).
