@@ -13,8 +13,10 @@ before. One router per (op, dispatch key) is installed through ``torch.library``
 * inside an impl (or cond), calling the same op again, directly or from nested ops, reaches the
   previous kernel instead of the router (a per-thread guard), which is how an impl falls back.
 
-Overrides are live as soon as they are registered (unless ``TORCHGRAFT_DISABLE=1``). Nothing
-here imports a DSL. See docs/registry.md for the composition order and the environment.
+Overrides are live as soon as they are registered. ``TORCHGRAFT_DISABLE=1`` (the kill switch) is
+read at every change to the registry: while it is set, registering is a no-op and no router stays
+in the dispatcher (see :func:`apply_kill_switch`). Nothing here imports a DSL. See
+docs/registry.md for the composition order and the environment.
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ from ._registry.slots import Slot
 
 __all__ = [
     "ALLOWED_LIB_SYMBOLS",
+    "FilterState",
     "OverrideInfo",
     "OverrideNode",
     "OverrideResultError",
     "UserOrderingFn",
+    "apply_kill_switch",
     "clear_overrides",
     "deregister_op_overrides",
+    "filter_state",
     "get_dsl_operations",
     "list_overrides",
     "native_decomp_table",
+    "normalize_op_symbol",
     "override_stats",
     "reenable_op_overrides",
     "register_op_override",
@@ -116,6 +122,15 @@ class OverrideInfo:
     max_error: float = 0.0
 
 
+@dataclass(frozen=True)
+class FilterState:
+    """What :func:`deregister_op_overrides` has switched off, as :func:`filter_state` reads it."""
+
+    dsl_names: frozenset[str]
+    op_symbols: frozenset[str]
+    dispatch_keys: frozenset[str]
+
+
 @dataclass
 class _Filters:
     """Sticky deregistration filters (torch._native semantics): a node matching any set is off."""
@@ -141,6 +156,8 @@ _guards: dict[_SlotKey, RouteGuard] = {}
 _filters = _Filters()
 _order_fn: UserOrderingFn | None = None
 _suspend_depth = 0
+# TORCHGRAFT_DISABLE as last read by apply_kill_switch(): while True no router is installed.
+_killed = False
 _node_ids = itertools.count()
 _compile_routers: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 
@@ -285,10 +302,39 @@ def _recapture_for(slot: Slot) -> Callable[[], Callable[..., Any]]:
 
     def recapture() -> Callable[..., Any]:
         with _lock:
-            reinstall = bool(slot.chain) and _suspend_depth == 0 and _slots.get(slot.key) is slot
+            reinstall = bool(slot.chain) and _routers_wanted() and _slots.get(slot.key) is slot
             return slots.restack(slot, recapture, reinstall=reinstall)
 
     return recapture
+
+
+def _routers_wanted() -> bool:
+    """Whether active overrides' routers belong in the dispatcher now."""
+    return _suspend_depth == 0 and not _killed
+
+
+def apply_kill_switch() -> bool:
+    """Read ``TORCHGRAFT_DISABLE`` and bring the dispatcher in line; return whether it is set.
+
+    While it is set no router of this registry stays installed (the overrides stay registered,
+    as with :func:`suspend_routers`); once it is unset, the next call puts them back. Every
+    change to the registry calls this first, and so do :func:`torchgraft.enable` and the other
+    switches: the variable is read when something is switched, never on an op call.
+    """
+    global _killed
+    with _lock:
+        killed = env.kill_switch_set()
+        if killed != _killed:
+            _killed = killed
+            log.info(
+                "%s is %s: %s every router",
+                env.DISABLE_ENV,
+                "set" if killed else "unset",
+                "removing" if killed else "reinstalling",
+            )
+            for slot in list(_slots.values()):
+                _sync(slot)
+        return killed
 
 
 def _sync(slot: Slot, *, force: bool = False) -> None:
@@ -306,7 +352,7 @@ def _sync(slot: Slot, *, force: bool = False) -> None:
     kept = {id(n) for n in chain}
     for node in slot.nodes:
         node.active = id(node) in kept
-    want_installed = bool(chain) and _suspend_depth == 0
+    want_installed = bool(chain) and _routers_wanted()
     if not force and chain == slot.chain and (slot.lib is not None) == want_installed:
         return
     slots.teardown(slot)
@@ -380,7 +426,7 @@ def register_op_override(
     elif not callable(cond):
         raise TypeError(f"cond must be callable or None, got {type(cond).__name__}")
 
-    if env.kill_switch_set():
+    if apply_kill_switch():
         log.info(
             "%s=1: not registering the %s override of %s::%s at %s",
             env.DISABLE_ENV,
@@ -457,6 +503,7 @@ def deregister_op_overrides(
         disable_dispatch_keys,
     )
     with _lock:
+        apply_kill_switch()
         _filters.dsl_names |= _names(disable_dsl_names)
         _filters.op_symbols |= _names(disable_op_symbols, _normalize_op_symbol)
         _filters.dispatch_keys |= _names(disable_dispatch_keys)
@@ -478,6 +525,7 @@ def reenable_op_overrides(
         enable_dispatch_keys,
     )
     with _lock:
+        apply_kill_switch()
         _filters.dsl_names -= _names(enable_dsl_names)
         _filters.op_symbols -= _names(enable_op_symbols, _normalize_op_symbol)
         _filters.dispatch_keys -= _names(enable_dispatch_keys)
@@ -499,6 +547,7 @@ def reorder_overrides(fn: UserOrderingFn | None) -> None:
     if fn is not None and not callable(fn):
         raise TypeError(f"ordering function must be callable, got {type(fn).__name__}")
     with _lock:
+        apply_kill_switch()
         _order_fn = fn
         for slot in list(_slots.values()):
             _sync(slot)
@@ -541,6 +590,23 @@ def _node_stats(node: OverrideNode) -> dict[str, float]:
         stats["shadow_checks"] = node.shadow_checks
         stats["max_error"] = node.max_error
     return stats
+
+
+def filter_state() -> FilterState:
+    """The DSL names, op symbols and dispatch keys :func:`deregister_op_overrides` has switched
+    off (and :func:`reenable_op_overrides` not yet back on)."""
+    with _lock:
+        return FilterState(
+            frozenset(_filters.dsl_names),
+            frozenset(_filters.op_symbols),
+            frozenset(_filters.dispatch_keys),
+        )
+
+
+def normalize_op_symbol(op_symbol: str, lib_symbol: str = "aten") -> str:
+    """An op symbol as the registry keeps it: ``"aten::mm.default"`` and ``"mm"`` are ``"mm"``;
+    other overloads keep their name (``"add.Tensor"``)."""
+    return _normalize_op_symbol(op_symbol, lib_symbol)
 
 
 def get_dsl_operations(dsl_name: str, lib_symbol: str = "aten") -> list[str]:
@@ -611,6 +677,7 @@ def suspend_routers() -> Iterator[None]:
         with _lock:
             _suspend_depth -= 1
             if _suspend_depth == 0:
+                apply_kill_switch()
                 for slot in list(_slots.values()):
                     _sync(slot, force=True)
 

@@ -12,6 +12,7 @@ The namespace is not ``torchgraft`` so that the native library may own that one 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from . import env
 from .nodes import OverrideNode, RouteGuard, always_true
 from .outputs import ResultCheck, returns_of
+from .router import dispatch_log
 
 NAMESPACE = "torchgraft_overrides"
 
@@ -70,6 +72,10 @@ def opaque_op(
         previous = guard.node
         guard.node = node
         node.calls += 1
+        if dispatch_log.isEnabledFor(logging.DEBUG):
+            dispatch_log.debug(
+                "%s: override %s ran (compiled graph)", overload.name(), node.stats_key
+            )
         try:
             if node.with_keyset:
                 result = node.impl_fn(keyset, *args, **kwargs)

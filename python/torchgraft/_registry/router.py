@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,11 @@ from .outputs import ResultCheck, returns_of
 
 #: What torch (2.15+) raises when a captured kernel's registration has gone away.
 INVALIDATED = "has been invalidated"
+
+#: Which override (or the kernel below) took each call, at DEBUG (``TORCHGRAFT_LOGS=+dispatch``).
+#: Each call asks the logger whether DEBUG is on; nothing is formatted when it is not.
+dispatch_log = logging.getLogger("torchgraft.dispatch")
+_DEBUG = logging.DEBUG
 
 
 class MissingKernel:
@@ -77,6 +83,8 @@ def make_router(
 
     entries = tuple(entry(node) for node in chain)
     quick = not strict and not returns.aliased
+    logging_on = dispatch_log.isEnabledFor
+    where = f"{overload.name()} at {chain[0].dispatch_key}" if chain else overload.name()
 
     def router(keyset: torch.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         running = guard.node
@@ -88,6 +96,8 @@ def make_router(
                         node.fallbacks += 1
                         continue
                     node.calls += 1
+                    if logging_on(_DEBUG):
+                        dispatch_log.debug("%s: override %s ran", where, node.stats_key)
                     saved = check.before(args, kwargs) if strict else None
                     guard.node = node
                     if with_keyset:
@@ -106,9 +116,17 @@ def make_router(
                     return result
             finally:
                 guard.node = None
+            if logging_on(_DEBUG):
+                dispatch_log.debug("%s: no override took the call; the kernel below ran", where)
         elif running is not COND_PHASE:
             # Re-entered from an impl of this (op, key): go to the kernel below.
             running.fallbacks += 1  # type: ignore[union-attr]
+            if logging_on(_DEBUG):
+                dispatch_log.debug(
+                    "%s: re-entered from %s; the kernel below ran",
+                    where,
+                    running.stats_key,  # type: ignore[union-attr]
+                )
         try:
             return fallback(keyset, *args, **kwargs)
         except RuntimeError as exc:
