@@ -202,7 +202,7 @@ def test_enable_that_fails_in_the_native_route_removes_the_python_route(monkeypa
         pass
     before = dispatch_state()
 
-    def broken() -> None:
+    def broken(disabled_ops: object = ()) -> None:
         raise RuntimeError("simulated failure while registering the native kernels")
 
     monkeypatch.setattr(native, "enable", broken)

@@ -6,11 +6,21 @@ Importing torchgraft changes nothing and imports no kernel DSL. :func:`enable` (
 does on torch 2.13+, on every torch from 2.11 to 2.15. :func:`adopt` routes a model's
 hand-written layers (RMSNorm, gated MLPs, RoPE, the causal-LM head and loss) to the operators
 torchgraft grafts and to :mod:`torchgraft.functional`'s fused ops, verified equal first;
-:func:`unadopt` undoes it.
+:func:`unadopt` undoes it. :func:`disabled` (a ``with`` block) and ``TORCHGRAFT_DISABLE=1`` turn
+all of it off; :mod:`torchgraft.backends` switches DSLs and ops one by one.
 """
 
+from torchgraft import _logging, backends
 from torchgraft.adopt import AdoptionReport, adopt, unadopt
-from torchgraft.control import disable, enable, enabled, is_enabled, reset_stats, stats
+from torchgraft.control import (
+    disable,
+    disabled,
+    enable,
+    enabled,
+    is_enabled,
+    reset_stats,
+    stats,
+)
 from torchgraft.registry import (
     clear_overrides,
     deregister_op_overrides,
@@ -25,9 +35,11 @@ from torchgraft.registry import (
 __all__ = [
     "AdoptionReport",
     "adopt",
+    "backends",
     "clear_overrides",
     "deregister_op_overrides",
     "disable",
+    "disabled",
     "enable",
     "enabled",
     "is_enabled",
@@ -41,3 +53,5 @@ __all__ = [
     "suspend_routers",
     "unadopt",
 ]
+
+_logging.configure_from_env()

@@ -1,4 +1,11 @@
-"""Switching torchgraft on and off, and reading what ran."""
+"""Switching torchgraft on and off, and reading what ran.
+
+One rule for every route (the native grafts, the registry's overrides, adopted layers): while
+``TORCHGRAFT_DISABLE=1`` is set, or a :func:`disabled` block is open, nothing of torchgraft runs.
+:func:`enable` installs the grafts, :func:`disable` removes them; adopted layers follow both
+(:func:`adopted_layers_active`). The per-DSL and per-op switches (:mod:`torchgraft.backends`)
+keep their state here too, so every route reads one place. State changes take ``_lock``.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +20,27 @@ from torchgraft import native, registry
 from torchgraft.ops import attention, rms_norm
 from torchgraft.ops.linear_cross_entropy import registration as linear_cross_entropy
 
-log = logging.getLogger("torchgraft")
+log = logging.getLogger("torchgraft.control")
 
 _lock = threading.RLock()
 _enabled = False
+"""torchgraft's grafts are installed now (what adopted layers read on every call)."""
+_request: frozenset[str] | None = None
+"""The routes the last :func:`enable` asked for (``ROUTES`` when it named none): restored when a
+:func:`disabled` block ends; None after :func:`disable`."""
+_named = False
+"""That :func:`enable` named its routes (see :func:`_installs`)."""
+_native_installed = False
+"""The native route is part of what is installed (its kernels: see :func:`_sync_native`)."""
+_native_off = False
+"""``torchgraft.backends.native.enabled = False``: the native grafts stay out."""
+_off_blocks = 0
+"""Open :func:`disabled` blocks, in any thread."""
 
 DISABLE_ENV = "TORCHGRAFT_DISABLE"
-"""Set to 1 to make :func:`enable` a no-op (the global kill switch)."""
+"""Set to 1 and nothing of torchgraft runs (the global kill switch): :func:`enable` and
+registering overrides are no-ops, and adopted layers run the model's own code. Read whenever
+something is switched: set after :func:`enable`, it takes everything out at the next switch."""
 DISABLE_NATIVE_ENV = "TORCHGRAFT_DISABLE_NATIVE"
 """Set to 1 to keep the native route (Rust / CUDA C++ kernels) out of :func:`enable`."""
 
@@ -57,7 +78,8 @@ def enable(routes: Iterable[str] | None = None) -> None:
     """Install torchgraft's grafts under PyTorch's operators.
 
     After this, unchanged model code (``F.rms_norm``, ``nn.RMSNorm``, ...) runs torchgraft's
-    kernels wherever they apply, in forward and backward; everything else runs as before.
+    kernels wherever they apply, in forward and backward, and layers :func:`torchgraft.adopt`
+    routed run torchgraft's path; everything else runs as before.
 
     Args:
         routes: which routes to install (see :data:`ROUTES`). By default the native route, the
@@ -68,34 +90,57 @@ def enable(routes: Iterable[str] | None = None) -> None:
             kernels and fall back to them outside their conds.
 
     Idempotent: calling it again while enabled changes nothing (call :func:`disable` first to
-    switch routes). ``TORCHGRAFT_DISABLE=1`` turns it into a no-op.
+    switch routes). Ops and DSLs switched off in :mod:`torchgraft.backends` stay off. Inside a
+    :func:`disabled` block it takes effect when the block ends. With ``TORCHGRAFT_DISABLE=1`` it
+    installs nothing, and removes whatever an earlier call installed.
     """
-    global _enabled
-    wanted = set(ROUTES if routes is None else routes)
+    global _request, _named
+    wanted = frozenset(ROUTES if routes is None else routes)
     unknown = wanted - set(ROUTES)
     if unknown:
         raise ValueError(f"unknown route(s) {sorted(unknown)}; known: {list(ROUTES)}")
     with _lock:
-        if _env_flag(DISABLE_ENV):
+        if _kill_switch_set():
             log.info("torchgraft.enable() skipped: %s is set", DISABLE_ENV)
             return
         if _enabled:
             return
-        native_wanted = "native" in wanted and _native_allowed()
-        try:
-            # The Python routes first: registering them is the step that can fail on user input
-            # (a bad TORCHGRAFT_OVERRIDE_ORDER_FN); the native route's enable is all or nothing.
-            for route, package, default in _GRAFTS:
-                if route in wanted and _installs(default, routes is not None, native_wanted):
-                    package.register(route)
-            if native_wanted:
-                # Routers capture the kernel below them when installed: rebuild them on top.
-                with registry.suspend_routers():
-                    native.enable()
-        except BaseException:
-            _undo()
-            raise
-        _enabled = True
+        if _off_blocks:
+            log.info("torchgraft.enable() inside torchgraft.disabled(): takes effect at its end")
+            _request, _named = wanted, routes is not None
+            return
+        _install(wanted, routes is not None)
+        _request, _named = wanted, routes is not None
+
+
+def _install(wanted: frozenset[str], named: bool) -> None:
+    """Install ``wanted``'s grafts, all or nothing; sets ``_enabled``."""
+    global _enabled, _native_installed
+    native_wanted = "native" in wanted and _native_allowed()
+    try:
+        # The Python routes first: registering them is the step that can fail on user input
+        # (a bad TORCHGRAFT_OVERRIDE_ORDER_FN); the native route's enable is all or nothing.
+        for route, package, default in _GRAFTS:
+            if route in wanted and _installs(default, named, native_wanted):
+                package.register(route)
+        _native_installed = native_wanted
+        _sync_native()
+    except BaseException:
+        _undo()
+        raise
+    _enabled = True
+    log.info("torchgraft enabled: routes %s", sorted(wanted))
+
+
+def _sync_native() -> None:
+    """Bring the native kernels in line with the switches: registered, less the ops switched
+    off, while the native route is installed and ``backends.native`` is on; out otherwise."""
+    # Routers capture the kernel below them when installed: rebuild them on top.
+    with registry.suspend_routers():
+        if _native_installed and not _native_off:
+            native.enable(sorted(_disabled_ops))
+        else:
+            native.disable()
 
 
 def _native_allowed() -> bool:
@@ -131,23 +176,44 @@ def _installs(default: str, named: bool, native_wanted: bool) -> bool:
 
 
 def _undo() -> None:
-    """Remove whatever :func:`enable` installed (after a failed enable: whatever it got to)."""
+    """Remove whatever :func:`_install` installed (after a failed one: whatever it got to)."""
+    global _enabled, _native_installed
     for _route, package, _default in _GRAFTS:
         package.deregister()
+    _native_installed = False
     with registry.suspend_routers():
         native.disable()
+    _enabled = False
+
+
+def _kill_switch_set() -> bool:
+    """Read ``TORCHGRAFT_DISABLE``; while it is set, make sure nothing of torchgraft is in the
+    dispatcher (the registry's routers come out; an earlier :func:`enable` is undone)."""
+    global _request
+    if not registry.apply_kill_switch():
+        return False
+    if _enabled or _request is not None:
+        log.warning("%s is set: switching torchgraft off", DISABLE_ENV)
+        _undo()
+        _request = None
+    return True
 
 
 def disable() -> None:
-    """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels. Idempotent."""
-    global _enabled
+    """Remove every graft :func:`enable` installed, restoring PyTorch's own kernels; adopted
+    layers run the model's own code again. Idempotent. Overrides you registered yourself with
+    :func:`torchgraft.register_op_override` stay (switch them with :mod:`torchgraft.backends`,
+    :func:`disabled` or the registry's functions). Inside a :func:`disabled` block, it also
+    keeps torchgraft off when the block ends."""
+    global _request
     with _lock:
+        _request = None
         _undo()
-        _enabled = False
+        _kill_switch_set()
 
 
 def is_enabled() -> bool:
-    """Whether :func:`enable` is in effect."""
+    """Whether :func:`enable` is in effect (False inside a :func:`disabled` block)."""
     return _enabled
 
 
@@ -168,13 +234,103 @@ def enabled(routes: Iterable[str] | None = None) -> Iterator[None]:
     """Enable torchgraft inside a ``with`` block (see :func:`enable`); restore the previous state
     on exit."""
     with _lock:
-        was_enabled = _enabled
+        was_requested = _request is not None
         enable(routes)
     try:
         yield
     finally:
-        if not was_enabled:
+        if not was_requested:
             disable()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Nothing of torchgraft runs inside the ``with`` block: the grafts :func:`enable` installed
+    come out, the registry's overrides (your own included) stand down, adopted layers run the
+    model's own code. On exit the state before the block comes back, also after an exception.
+
+    For A/B comparisons without :func:`torchgraft.unadopt`. Blocks nest and may overlap across
+    threads: torchgraft stays off until the last one ends. :func:`enable` or :func:`disable`
+    called inside set the state the end of the block restores. Like :func:`enable`, the switch
+    changes the dispatcher: flip it between steps, not while other threads run the model.
+    """
+    global _off_blocks
+    with registry.suspend_routers():  # every router out, the user's overrides included
+        with _lock:
+            _off_blocks += 1
+            if _off_blocks == 1 and _enabled:
+                _undo()
+                log.info("torchgraft off inside torchgraft.disabled()")
+        try:
+            yield
+        finally:
+            with _lock:
+                _off_blocks -= 1
+                if _off_blocks == 0 and _request is not None and not _kill_switch_set():
+                    _restore()
+
+
+def _restore() -> None:
+    """Install what the last :func:`enable` asked for (at the end of a :func:`disabled` block)."""
+    global _request
+    assert _request is not None
+    try:
+        _install(_request, _named)
+    except BaseException:
+        _request = None
+        raise
+
+
+def set_operations_disabled(op_symbols: Iterable[str], off: bool) -> None:
+    """Switch ops off (``off``) or back on, on every route: the registry's overrides of them,
+    the native grafts of them, adopted layers routed to them. Symbols as the registry reads them
+    (``"aten::mm"``, ``"mm.default"`` and ``"mm"`` are ``"mm"``); one overload each."""
+    global _disabled_ops
+    symbols = frozenset(registry.normalize_op_symbol(op) for op in op_symbols)
+    if not symbols:
+        return
+    with _lock:
+        if off:
+            registry.deregister_op_overrides(disable_op_symbols=symbols)
+            changed = _disabled_ops | symbols
+        else:
+            registry.reenable_op_overrides(enable_op_symbols=symbols)
+            changed = _disabled_ops - symbols
+        if changed == _disabled_ops:
+            return
+        _disabled_ops = frozenset(changed)
+        log.info("ops switched off: %s", sorted(_disabled_ops) or "none")
+        if _native_installed and not _native_off:
+            _sync_native()
+
+
+def is_operation_disabled(op_symbol: str) -> bool:
+    """Whether ``op_symbol`` is switched off by :func:`set_operations_disabled`."""
+    return registry.normalize_op_symbol(op_symbol) in _disabled_ops
+
+
+def set_dsl_enabled(dsl: str, on: bool) -> None:
+    """Switch one DSL's registry overrides on or off; for ``"native"`` also the native grafts
+    (torchgraft's own operators keep their kernels: they have no others)."""
+    global _native_off
+    with _lock:
+        if on:
+            registry.reenable_op_overrides(enable_dsl_names=dsl)
+        else:
+            registry.deregister_op_overrides(disable_dsl_names=dsl)
+        log.info("DSL %s switched %s", dsl, "on" if on else "off")
+        if dsl == "native" and _native_off == on:
+            _native_off = not on
+            if _native_installed:
+                _sync_native()
+
+
+def is_dsl_enabled(dsl: str) -> bool:
+    """Whether ``dsl`` is on (not switched off by :func:`set_dsl_enabled` or the registry's
+    ``deregister_op_overrides(disable_dsl_names=...)``)."""
+    if dsl == "native" and _native_off:
+        return False
+    return dsl not in registry.filter_state().dsl_names
 
 
 def stats() -> dict[str, dict[str, int]]:

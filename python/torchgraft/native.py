@@ -7,6 +7,7 @@ counters. Everything here is also reachable through :mod:`torchgraft`'s top-leve
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -31,13 +32,19 @@ def available() -> bool:
     return importlib.util.find_spec("torchgraft._native") is not None
 
 
-def enable() -> None:
-    """Register the native kernels with the dispatcher (idempotent)."""
+def enable(disabled_ops: Iterable[str] = ()) -> None:
+    """Register the native kernels with the dispatcher, except those of the ops named in
+    ``disabled_ops`` (bare symbols, one overload each: ``"_softmax"``,
+    ``"_fused_adam_.tensor_lr"``), which keep the kernels that were there before.
+
+    Idempotent; called again with other ops left out, it registers the kernels again without
+    them (all or nothing: on an error the previous registrations are back). The CPU backward of
+    RMSNorm is never left out (see :func:`disable`)."""
     import torch  # noqa: F401  (libtorch must be loaded before the extension looks it up)
 
     from torchgraft import _native
 
-    _native.enable()
+    _native.enable(sorted(set(disabled_ops)))
 
 
 def disable() -> None:
