@@ -279,3 +279,25 @@ def test_floor_call_copies_large_passes_in_pieces(monkeypatch):
         call()
     sizes = [e.input_shapes[0][0] for e in prof.events() if e.name == "aten::copy_"]
     assert sizes == [1000, 1000, 500] * passes
+
+
+@pytest.mark.parametrize("op", list(harness.OPS.values()), ids=_ids)
+def test_every_route_passes_its_own_check_in_float64(op):
+    # What `torchgraft bench <op> --dtype fp64` checks, without the timing: the float64
+    # reference leaves the shared inputs alone (for float64 inputs `.double()` is the tensor
+    # itself), and every route, the eager baselines included, computes in float64.
+    problem = op.Problem(op.default_shapes(CPU, True)[0], torch.float64, CPU)
+    inputs = op.make_inputs(problem)
+    tolerance = op.TOLERANCE[torch.float64]
+    for mode in op.MODES:
+        reference = op.reference(inputs, mode)
+        tensors = [v for v in vars(inputs).values() if isinstance(v, torch.Tensor)]
+        assert not any(t.requires_grad for t in tensors), (op.OP, mode)
+        for route in op.routes():
+            if route.unavailable(CPU) is not None or route.name == "compile":
+                continue
+            with route.dispatch():
+                outputs = op.run_once(route.build(problem), inputs, mode)
+            for out, ref in zip(outputs, reference, strict=True):
+                err = float((out.detach().double() - ref).norm() / ref.norm())
+                assert err <= tolerance, (op.OP, route.name, mode, err)

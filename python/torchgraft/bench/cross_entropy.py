@@ -25,6 +25,7 @@ from .fused_common import (
     IGNORE_INDEX,
     TOLERANCE,
     TORCHGRAFT_GRAFTS,
+    at_least_float32,
     compiled,
     default_dtype,
     liger_attr,
@@ -142,7 +143,7 @@ def make_inputs(problem: Problem, seed: int = 0) -> Inputs:
 
 def reference(inputs: Inputs, mode: str) -> list[Tensor]:
     """Float64 results of ``mode``: ``[loss]`` or ``[loss, dlogits]``."""
-    logits = inputs.logits.double().requires_grad_(mode != "fwd")
+    logits = inputs.logits.detach().double().requires_grad_(mode != "fwd")
     loss = cross_entropy_reference(logits, inputs.target, IGNORE_INDEX)
     if mode == "fwd":
         return [loss.detach()]
@@ -188,8 +189,9 @@ def timed_call(fn: CrossEntropyFn, inputs: Inputs, mode: str) -> Callable[[], ob
 
 
 def cross_entropy_upcast(logits: Tensor, target: Tensor) -> Tensor:
-    """The loss as transformers computes it: ``F.cross_entropy(logits.float(), target)``."""
-    return F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX)
+    """The loss as transformers computes it: ``F.cross_entropy(logits.float(), target)`` (float64
+    logits stay float64)."""
+    return F.cross_entropy(at_least_float32(logits), target, ignore_index=IGNORE_INDEX)
 
 
 def _cross_entropy(logits: Tensor, target: Tensor) -> Tensor:

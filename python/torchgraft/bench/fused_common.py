@@ -24,6 +24,7 @@ __all__ = [
     "IGNORE_INDEX",
     "TOLERANCE",
     "TORCHGRAFT_GRAFTS",
+    "at_least_float32",
     "compiled",
     "default_dtype",
     "liger_attr",
@@ -53,6 +54,12 @@ TOLERANCE = {
 
 TORCHGRAFT_GRAFTS = "native/torchgraft::"
 """Prefix of the counters of torchgraft's own operators (``native/torchgraft::swiglu/CPU``)."""
+
+
+def at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32 when its dtype is narrower (the upcast models make before a loss or a
+    norm), else ``t`` itself: a float64 baseline computes in float64."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -124,8 +124,8 @@ def make_inputs(problem: Problem, seed: int = 0) -> Inputs:
 
 def reference(glu: Glu, inputs: Inputs, mode: str) -> list[Tensor]:
     """Float64 results of ``mode``: ``[y]`` or ``[y, dgate, dup]``."""
-    gate = inputs.gate.double().requires_grad_(mode != "fwd")
-    up = inputs.up.double().requires_grad_(mode != "fwd")
+    gate = inputs.gate.detach().double().requires_grad_(mode != "fwd")
+    up = inputs.up.detach().double().requires_grad_(mode != "fwd")
     y = glu.eager(gate, up)
     if mode == "fwd":
         return [y.detach()]

@@ -26,6 +26,7 @@ from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_r
 from .fused_common import (
     IGNORE_INDEX,
     TORCHGRAFT_GRAFTS,
+    at_least_float32,
     compiled,
     default_dtype,
     liger_attr,
@@ -170,8 +171,8 @@ def make_inputs(problem: Problem, seed: int = 0) -> Inputs:
 
 def reference(inputs: Inputs, mode: str) -> list[Tensor]:
     """Float64 results of ``mode``: ``[loss]`` or ``[loss, dhidden, dweight]``."""
-    hidden = inputs.hidden.double().requires_grad_(mode != "fwd")
-    weight = inputs.weight.double().requires_grad_(mode != "fwd")
+    hidden = inputs.hidden.detach().double().requires_grad_(mode != "fwd")
+    weight = inputs.weight.detach().double().requires_grad_(mode != "fwd")
     loss = linear_cross_entropy_reference(hidden, weight, inputs.target, None, IGNORE_INDEX)
     if mode == "fwd":
         return [loss.detach()]
@@ -220,9 +221,10 @@ def timed_call(fn: LinearCrossEntropyFn, inputs: Inputs, mode: str) -> Callable[
 
 def linear_cross_entropy_eager(hidden: Tensor, weight: Tensor, target: Tensor) -> Tensor:
     """An lm head and its loss as transformers runs them: ``F.linear``, then
-    ``F.cross_entropy`` of the logits upcast to float32 (the logits exist twice)."""
+    ``F.cross_entropy`` of the logits upcast to float32 (the logits exist twice; float64 stays
+    float64)."""
     logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(at_least_float32(logits), target, ignore_index=IGNORE_INDEX)
 
 
 def _build_eager(_problem: Problem) -> LinearCrossEntropyFn:

@@ -206,13 +206,19 @@ def _eager_upcast_fallback(x: Tensor, weight: Tensor, eps: float = EPS) -> Tenso
 
 
 def _eager_function() -> RmsNormFn:
-    """Llama-style eager RMSNorm: float32 math, cast back, then scale (several kernels)."""
+    """Llama-style eager RMSNorm: float32 math, cast back, then scale (several kernels);
+    float64 math for float64 input (Llama would round it to float32: no baseline to measure)."""
     try:
-        from torchgraft.ops.rms_norm.reference import rms_norm_eager_upcast
+        from torchgraft.ops.rms_norm.reference import (
+            rms_norm_eager_same_dtype,
+            rms_norm_eager_upcast,
+        )
     except ImportError:
-        rms_norm_eager_upcast = _eager_upcast_fallback
+        rms_norm_eager_upcast = rms_norm_eager_same_dtype = _eager_upcast_fallback
 
     def eager(x: Tensor, weight: Tensor) -> Tensor:
+        if x.dtype == torch.float64:
+            return rms_norm_eager_same_dtype(x, weight, EPS)
         return rms_norm_eager_upcast(x, weight, EPS)
 
     return eager

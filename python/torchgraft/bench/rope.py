@@ -194,8 +194,8 @@ def make_inputs(problem: Problem, seed: int = 0) -> Inputs:
 
 def reference(inputs: Inputs, mode: str) -> list[Tensor]:
     """Float64 results of ``mode``: ``[q_embed, k_embed]``, then the projections' gradients."""
-    q_proj = inputs.q_proj.double().requires_grad_(mode != "fwd")
-    k_proj = inputs.k_proj.double().requires_grad_(mode != "fwd")
+    q_proj = inputs.q_proj.detach().double().requires_grad_(mode != "fwd")
+    k_proj = inputs.k_proj.detach().double().requires_grad_(mode != "fwd")
     q_embed, k_embed = llama_rope(
         *inputs.heads(q_proj, k_proj), inputs.cos.double(), inputs.sin.double()
     )
