@@ -535,6 +535,26 @@ def test_doctor_shows_native_build_info(monkeypatch, capsys):
     assert "native CUDA kernels: cuInit failed: no driver" in out
 
 
+@NATIVE
+def test_doctor_prints_the_native_version_once(capsys):
+    assert cli.main(["doctor"]) == 0
+    section = capsys.readouterr().out.split("native library")[1].split("\n\n")[0]
+    assert len(re.findall(r"^  version\s", section, re.MULTILINE)) == 1, section
+
+
+def test_doctor_lists_what_the_switches_turned_off(monkeypatch, capsys):
+    monkeypatch.setattr(torchgraft.control, "_disabled_ops", frozenset({"_softmax"}))
+    monkeypatch.setattr(torchgraft.control, "is_dsl_enabled", lambda dsl: dsl != "helion")
+    assert cli.main(["doctor", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert "op _softmax: switched off (torchgraft.backends)" in facts["disabled"]
+    assert "DSL helion: switched off (torchgraft.backends)" in facts["disabled"]
+    assert facts["torchgraft"]["switches"] == {
+        "operations_disabled": ["_softmax"],
+        "dsls_disabled": ["helion"],
+    }
+
+
 def _fake_dsl_package(monkeypatch):
     """Stand-in for torchgraft.dsl (the registry branch): helion installed but too old."""
 

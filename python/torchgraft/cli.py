@@ -399,6 +399,16 @@ def _torch_native_facts() -> dict[str, Any]:
     }
 
 
+def _switch_facts() -> dict[str, list[str]]:
+    """What torchgraft.backends has switched off in this process."""
+    from torchgraft import control, dsl
+
+    return {
+        "operations_disabled": control.disabled_operations(),
+        "dsls_disabled": [name for name in dsl.DSLS if not control.is_dsl_enabled(name)],
+    }
+
+
 def doctor_facts() -> dict[str, Any]:
     """Everything ``torchgraft doctor`` reports, as a JSON-ready dict. Imports no DSL."""
     import torch
@@ -430,6 +440,13 @@ def doctor_facts() -> dict[str, Any]:
         disabled.append("native CUDA kernels: not built into this library (no nvcc at build time)")
     if isinstance(info.get("cuda_devices"), str):
         disabled.append(f"native CUDA kernels: {info['cuda_devices']}")
+    switches = _switch_facts()
+    disabled += [
+        f"op {op}: switched off (torchgraft.backends)" for op in switches["operations_disabled"]
+    ]
+    disabled += [
+        f"DSL {name}: switched off (torchgraft.backends)" for name in switches["dsls_disabled"]
+    ]
     for override in _registry_rows():
         if override["state"] != "active":
             disabled.append(
@@ -454,6 +471,7 @@ def doctor_facts() -> dict[str, Any]:
             "path": os.path.dirname(torchgraft.__file__),
             "enabled": torchgraft.is_enabled(),
             "routes": routes,
+            "switches": switches,
         },
         "native": native_facts,
         "dsl": dsl,
@@ -507,6 +525,8 @@ def _print_doctor(facts: dict[str, Any]) -> None:
         row("version", nat["version"])
     if nat["build_info"]:
         for key, value in nat["build_info"].items():
+            if key == "version" and value == nat["version"]:
+                continue  # the row above
             row(str(key), value)
     elif nat["loaded"]:
         row("build info", "not reported by this build")

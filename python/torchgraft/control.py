@@ -309,6 +309,11 @@ def is_operation_disabled(op_symbol: str) -> bool:
     return registry.normalize_op_symbol(op_symbol) in _disabled_ops
 
 
+def disabled_operations() -> list[str]:
+    """The op symbols switched off by :func:`set_operations_disabled`, sorted."""
+    return sorted(_disabled_ops)
+
+
 def set_dsl_enabled(dsl: str, on: bool) -> None:
     """Switch one DSL's registry overrides on or off; for ``"native"`` also the native grafts
     (torchgraft's own operators keep their kernels: they have no others)."""
