@@ -616,8 +616,9 @@ def test_list_subprocess_native_grafts_inactive():
     rows = _rows(result.stdout)
     native_rows = [r for r in rows if r[2] == "native"]
     assert sorted((r[0], r[1]) for r in native_rows) == sorted(
-        (g.op, g.dispatch_key) for g in native.grafts()
+        (g.op, g.dispatch_key) for g in native.grafts() + native.op_kernels()
     )
+    # Nothing grafted, and torchgraft's own operators not defined (functional not imported).
     assert all(r[3] == "inactive" and r[4] == "0" for r in native_rows)
     assert "torchgraft is not enabled" in result.stdout
 
@@ -631,7 +632,11 @@ def test_list_enable_shows_active_grafts_and_calls(capsys):
     assert cli.main(["list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["enabled"] is True
-    by_op = {(r["op"], r["dispatch_key"]): r for r in data["grafts"] if r["route"] == "native"}
+    by_op = {
+        (r["op"], r["dispatch_key"]): r
+        for r in data["grafts"]
+        if r["route"] == "native" and r["op"].startswith("aten::")
+    }
     assert by_op[("aten::_fused_rms_norm", "CPU")]["calls"] == 1
     assert by_op[("aten::_fused_rms_norm_backward", "CPU")]["calls"] == 1
     assert all(r["state"] == "active" for (_, key), r in by_op.items() if key == "CPU")
@@ -641,7 +646,35 @@ def test_list_enable_shows_active_grafts_and_calls(capsys):
 def test_list_enable_flag(capsys):
     assert cli.main(["list", "--enable"]) == 0
     rows = _rows(capsys.readouterr().out)
-    assert all(r[3] == "active" for r in rows if r[2] == "native" and r[1] == "CPU")
+    grafts = [r for r in rows if r[2] == "native" and r[0].startswith("aten::")]
+    assert grafts and all(r[3] == "active" for r in grafts if r[1] == "CPU")
+
+
+@NATIVE
+def test_list_shows_every_native_counter_stats_reports(capsys):
+    import torchgraft.functional  # noqa: F401  (defines torchgraft's own operators)
+
+    assert cli.main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["grafts"]
+    listed = {f"native/{r['op']}/{r['dispatch_key']}" for r in rows if r["route"] == "native"}
+    reported = {key for key in torchgraft.stats() if key.startswith("native/")}
+    assert any(key.startswith("native/torchgraft::") for key in reported)
+    assert listed == reported
+    swiglu = next(r for r in rows if r["op"] == "torchgraft::swiglu" and r["dispatch_key"] == "CPU")
+    assert swiglu["state"] == "active" and swiglu["source"] == "torchgraft._native"
+
+
+@NATIVE
+def test_list_marks_grafts_switched_off(capsys):
+    try:
+        torchgraft.backends.disable_operations("_softmax")
+        assert cli.main(["list", "--enable"]) == 0
+        rows = _rows(capsys.readouterr().out)
+        assert ["aten::_softmax", "CPU", "native", "switched-off", "0", "0"] in rows
+        assert ["aten::_log_softmax", "CPU", "native", "active", "0", "0"] in rows
+    finally:
+        torchgraft.backends.enable_operations("_softmax")
+        torchgraft.disable()
 
 
 @dataclass(frozen=True)

@@ -622,20 +622,30 @@ def list_rows() -> list[dict[str, Any]]:
     """Every native graft, registry override, and torch._native override in this process."""
     import torch  # noqa: F401  (libtorch first: the native extension looks it up)
 
-    from torchgraft import native
+    from torchgraft import control, native
     from torchgraft._registry import torch_native
 
+    def state(g: native.NativeGraft) -> str:
+        if g.active:
+            return "active"
+        switched_off = control.is_operation_disabled(g.op.partition("::")[2])
+        return (
+            "switched-off" if switched_off or not control.is_dsl_enabled("native") else "inactive"
+        )
+
+    # The grafts under aten ops, then the kernels of torchgraft's own operators (active once
+    # torchgraft.functional defined them); torchgraft.stats() counts both.
     rows = [
         {
             "op": g.op,
             "dispatch_key": g.dispatch_key,
             "route": "native",
-            "state": "active" if g.active else "inactive",
+            "state": state(g),
             "calls": g.calls,
             "fallbacks": g.fallbacks,
             "source": "torchgraft._native",
         }
-        for g in native.grafts()
+        for g in native.grafts() + native.op_kernels()
     ]
     rows += _registry_rows()
     rows += [
