@@ -487,3 +487,24 @@ def test_alternating_rounds_order_warmup_and_errors():
     assert [len(times[n]) for n in "abc"] == [2, 1, 2]
     with pytest.raises(ValueError, match="a"):
         timing.alternating_rounds({"a": call("a", fail_at=9)}, CPU, rounds=3, steps=3, warmup=0)
+
+
+def test_profiling_a_step_prints_nothing_of_the_profilers_own():
+    # On a machine without a usable GPU, a CUDA build of torch's profiler wrote
+    # "gpuGetDeviceCount failed with code 35" (and USDT/STAGE lines) to stderr.
+    import os
+    import subprocess
+
+    code = (
+        "import torch; from torchgraft.bench.op_profile import profile_step;"
+        "x = torch.randn(32, 32); p = profile_step(lambda: x @ x, torch.device('cpu'));"
+        "print(p.ops[0].op)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = str(Path(torchgraft.__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "aten::mm"
+    assert result.stderr == "", result.stderr

@@ -9,8 +9,10 @@ On the CPU it is each op's self CPU time.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,6 +57,31 @@ def _self_device_us(event: Any) -> float:
     return float(value)
 
 
+KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
+"""Kineto (the profiler's engine) reads its log threshold from this variable when the first
+profile starts; 6 is above its highest level, so it prints nothing."""
+
+
+@contextlib.contextmanager
+def _quiet_profiler(on_cuda: bool) -> Iterator[None]:
+    """Profiling the CPU, keep kineto from printing to stderr (unless the user set its level).
+
+    On a machine without a usable GPU, a CUDA build of torch makes kineto print
+    ``gpuGetDeviceCount failed with code 35`` and its USDT/STAGE trace lines at each profile:
+    nothing is wrong (only CPU events are asked for). The variable is read once per process, at
+    the first profile, so it is set for that moment only. Profiling CUDA, kineto's messages may
+    matter (CUPTI missing), and they are left alone.
+    """
+    if on_cuda or KINETO_LOG_LEVEL in os.environ:
+        yield
+        return
+    os.environ[KINETO_LOG_LEVEL] = "6"
+    try:
+        yield
+    finally:
+        os.environ.pop(KINETO_LOG_LEVEL, None)
+
+
 def profile_step(step: Callable[[], object], device: torch.device, *, top: int = 20) -> StepProfile:
     """Profiles one call of ``step()`` (warm it up first) and returns its ``top`` ops."""
     from torch.autograd import DeviceType
@@ -64,7 +91,7 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int =
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     if on_cuda:
         torch.cuda.synchronize(device)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_profiler(on_cuda):
         # One profiling cycle: torch's note that events do not accumulate across cycles is moot.
         warnings.filterwarnings("ignore", message=".*Profiler clears events")
         with profile(activities=activities) as prof:
