@@ -9,11 +9,13 @@ paths (Liger, extra peak memory) run on the GPU machine; here only their formatt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -301,3 +303,47 @@ def test_every_route_passes_its_own_check_in_float64(op):
             for out, ref in zip(outputs, reference, strict=True):
                 err = float((out.detach().double() - ref).norm() / ref.norm())
                 assert err <= tolerance, (op.OP, route.name, mode, err)
+
+
+def test_timings_report_their_spread_and_the_table_warns_when_it_passes_2x():
+    # A loaded machine once printed "rope 934x" from one quick run with no sign of trouble.
+    from torchgraft.bench import timing
+
+    durations = iter([0.001, 0.004] * 1000)
+
+    def uneven() -> None:
+        t_end = time.perf_counter() + next(durations)
+        while time.perf_counter() < t_end:
+            pass
+
+    measured = timing.measure(uneven, CPU, quick=True)
+    assert measured.min_ms <= measured.median_ms <= measured.max_ms
+    assert measured.max_ms > 3 * measured.min_ms and measured.spread > 3
+
+    report = harness.BenchReport(
+        op="rope",
+        device={"name": "cpu"},
+        dtype="float32",
+        modes=["fwd"],
+        shapes=["8x16"],
+        routes=[{"name": r, "summary": "", "skipped": None} for r in ("eager", "torchgraft")],
+        versions={},
+        timing="",
+        quick=True,
+        created="",
+        baseline="eager",
+    )
+    report.measurements = [
+        harness.Measurement(
+            "eager", "fwd", "8x16", 100, 93.4, 0.1, None, 0.0, None, None, 90.0, 95.0
+        ),
+        harness.Measurement(
+            "torchgraft", "fwd", "8x16", 100, 0.1, 0.2, None, 0.0, None, None, 0.09, 2.5
+        ),
+    ]
+    for text in (format_terminal(report), format_markdown(report)):
+        assert "torchgraft 8x16 fwd: min 0.090, median 0.100, max 2.50 ms" in text
+        assert "more than 2x" in text
+    assert json.loads(json.dumps(report.to_json()))["measurements"][1]["max_ms"] == 2.5
+    report.measurements[1] = dataclasses.replace(report.measurements[1], max_ms=0.15)
+    assert "more than 2x" not in format_terminal(report)

@@ -94,6 +94,18 @@ class Measurement:
     extra_peak_bytes: int | None = None
     """Peak memory allocated during one call beyond what was allocated before it (CUDA, ops
     whose PEAK_MEMORY is set); None where not measured."""
+    min_ms: float | None = None
+    """The fastest timed call (None in reports written before it was recorded)."""
+    max_ms: float | None = None
+    """The slowest timed call: far above ``min_ms`` (:data:`timing.SPREAD_LIMIT`), the machine
+    was busy while this was timed."""
+
+    @property
+    def spread(self) -> float | None:
+        """``max_ms / min_ms``, or None where not recorded."""
+        if self.min_ms is None or self.max_ms is None or self.min_ms <= 0:
+            return None
+        return self.max_ms / self.min_ms
 
     @property
     def grafted(self) -> bool | None:
@@ -519,6 +531,8 @@ def _measurement(
         rel_err=rel_err,
         grafts=grafts,
         extra_peak_bytes=extra_peak_bytes,
+        min_ms=result.min_ms,
+        max_ms=result.max_ms,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .harness import NOT_SELECTED, BenchReport, Measurement
+from .timing import SPREAD_LIMIT
 
 __all__ = ["format_bytes", "format_markdown", "format_ms", "format_terminal"]
 
@@ -68,8 +69,28 @@ def _mode_title(report: BenchReport, mode: str) -> str:
     )
 
 
+def _spread_warning(report: BenchReport) -> list[str]:
+    """A warning naming the timings whose slowest call took more than SPREAD_LIMIT times the
+    fastest (the worst three), or nothing."""
+    measured = [*report.copies, *report.floors, *report.measurements]
+    spread = [m for m in measured if m.spread is not None and m.spread > SPREAD_LIMIT]
+    if not spread:
+        return []
+    spread.sort(key=lambda m: m.spread or 0.0, reverse=True)
+    worst = "; ".join(
+        f"{m.route} {m.shape} {m.mode}: min {format_ms(m.min_ms or 0.0)}, median "
+        f"{format_ms(m.median_ms)}, max {format_ms(m.max_ms or 0.0)} ms"
+        for m in spread[:3]
+    )
+    return [
+        f"WARNING: {len(spread)} of {len(measured)} timings spread more than "
+        f"{SPREAD_LIMIT:g}x from their fastest to their slowest call ({worst}): the machine was "
+        "busy, so the medians and speedups above are unreliable; run again on a quiet machine."
+    ]
+
+
 def _footer(report: BenchReport) -> list[str]:
-    lines = []
+    lines = _spread_warning(report)
     if any(m.grafted is False for m in report.measurements):
         lines.append(NOTE_NOT_GRAFTED)
     if any(m.extra_peak_bytes is not None for m in report.measurements):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "SPREAD_LIMIT",
     "Timing",
     "alternating_rounds",
     "back_to_back_ms",
@@ -37,13 +38,29 @@ __all__ = [
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 
+SPREAD_LIMIT = 2.0
+"""The slowest timed call may take this many times the fastest before a report warns that the
+machine was busy (its medians, and the speedups between them, are then unreliable)."""
+
+
 @dataclass(frozen=True)
 class Timing:
-    """The median of several timed calls."""
+    """The median of several timed calls, with the fastest and the slowest."""
 
     median_ms: float
     samples: int | None
     """Timed calls; None where ``do_bench`` chose the count itself."""
+    min_ms: float
+    max_ms: float
+
+    @property
+    def spread(self) -> float:
+        """The slowest call's time over the fastest's."""
+        return self.max_ms / self.min_ms if self.min_ms > 0 else float("inf")
+
+
+def _summary(times: list[float]) -> tuple[float, float, float]:
+    return min(times), statistics.median(times), max(times)
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,8 @@ def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], obje
 
 
 def measure(fn: Callable[[], object], device: torch.device, *, quick: bool = False) -> Timing:
-    """Times ``fn()`` on ``device`` after a warm-up and returns the median over the samples.
+    """Times ``fn()`` on ``device`` after a warm-up and returns the median over the samples,
+    with the fastest and slowest (their ratio shows a busy machine: :data:`SPREAD_LIMIT`).
 
     ``quick`` spends about a tenth of the time (for smoke runs; medians are noisier).
     """
@@ -111,8 +129,10 @@ def _sample_count(estimate_ms: float, budget: _Budget) -> int:
 def _measure_do_bench(fn: Callable[[], object], budget: _Budget) -> Timing:
     from triton.testing import do_bench
 
-    median = do_bench(fn, warmup=budget.warmup_ms, rep=budget.rep_ms, return_mode="median")
-    return Timing(median_ms=float(median), samples=None)
+    low, median, high = do_bench(
+        fn, warmup=budget.warmup_ms, rep=budget.rep_ms, quantiles=[0.0, 0.5, 1.0]
+    )
+    return Timing(median_ms=float(median), samples=None, min_ms=float(low), max_ms=float(high))
 
 
 def _measure_cuda_events(fn: Callable[[], object], budget: _Budget) -> Timing:
@@ -140,7 +160,8 @@ def _measure_cuda_events(fn: Callable[[], object], budget: _Budget) -> Timing:
         ends[i].record()
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-    return Timing(median_ms=statistics.median(times), samples=n)
+    low, median, high = _summary(times)
+    return Timing(median_ms=median, samples=n, min_ms=low, max_ms=high)
 
 
 def _measure_cpu(fn: Callable[[], object], budget: _Budget) -> Timing:
@@ -158,7 +179,8 @@ def _measure_cpu(fn: Callable[[], object], budget: _Budget) -> Timing:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(median_ms=statistics.median(times), samples=len(times))
+    low, median, high = _summary(times)
+    return Timing(median_ms=median, samples=len(times), min_ms=low, max_ms=high)
 
 
 def _synchronize(device: torch.device) -> None:
