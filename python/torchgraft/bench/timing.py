@@ -110,7 +110,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, quick: bool = Fal
     """Times ``fn()`` on ``device`` after a warm-up and returns the median over the samples,
     with the fastest and slowest (their ratio shows a busy machine: :data:`SPREAD_LIMIT`).
 
-    ``quick`` spends about a tenth of the time (for smoke runs; medians are noisier).
+    ``quick`` spends about a fifth of the time (for smoke runs; medians are noisier).
     """
     budget = _QUICK if quick else _FULL
     if device.type == "cuda":
