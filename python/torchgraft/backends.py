@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from torchgraft import control, dsl, native, registry
+from torchgraft import control, dsl, registry
+from torchgraft import native as _native_route
 
 __all__ = [
     "DSLController",
@@ -41,8 +42,6 @@ __all__ = [
     "operations_disabled",
     "triton",
 ]
-
-_native_module = native
 
 
 class DSLController:
@@ -130,6 +129,10 @@ def __getattr__(name: str) -> list[str]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_PROPERTIES])
+
+
 def get_dsl_operations(dsl_name: str) -> list[str]:
     """The op symbols ``dsl_name`` has overrides for (every namespace; ``torch_nn`` ops
     qualified), sorted; for ``native`` also the ops of the native grafts of this build."""
@@ -137,7 +140,7 @@ def get_dsl_operations(dsl_name: str) -> list[str]:
     for lib in sorted(registry.ALLOWED_LIB_SYMBOLS - {"aten"}):
         ops.update(f"{lib}::{op}" for op in registry.get_dsl_operations(dsl_name, lib))
     if dsl_name == "native":
-        ops.update(g.op.partition("::")[2] for g in _native_module.grafts())
+        ops.update(g.op.partition("::")[2] for g in _native_route.grafts())
     return sorted(ops)
 
 
