@@ -3,9 +3,10 @@ transformers models, and a training step that collects what the tests compare.""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,9 @@ RMS_NORM_VARIANT = {
 VOCAB = 96
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
-    """A two-layer ``<Family>ForCausalLM`` with random weights, built from a config (no network)."""
+def tiny_model(family: str, seed: int = 0, **config_overrides: object) -> nn.Module:
+    """A two-layer ``<Family>ForCausalLM`` with random weights, built from a config (no network);
+    ``config_overrides`` go to the config (``partial_rotary_factor=0.5``...)."""
     import transformers
 
     names = {
@@ -115,6 +117,7 @@ def tiny_model(family: str, seed: int = 0) -> nn.Module:
         "gemma2": "Gemma2",
         "phi3": "Phi3",
         "olmo2": "Olmo2",
+        "gpt_neox": "GPTNeoX",
     }
     name = names[family]
     config = getattr(transformers, f"{name}Config")(
@@ -130,6 +133,7 @@ def tiny_model(family: str, seed: int = 0) -> nn.Module:
         bos_token_id=1,
         eos_token_id=2,
         attn_implementation="eager",
+        **config_overrides,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForCausalLM")(config)
@@ -191,3 +195,29 @@ def assert_steps_close(step: Step, ref: Step, tol: float) -> None:
 def instance_forwards(model: nn.Module) -> dict[str, object]:
     """Every module's own ``forward`` entry (absent for almost all: the class's shows through)."""
     return {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """torchgraft enabled (``on``) or disabled inside the block, restored after. Adopted layers
+    run torchgraft's operators only while it is enabled."""
+    import torchgraft
+
+    was = torchgraft.is_enabled()
+    (torchgraft.enable if on else torchgraft.disable)()
+    try:
+        yield
+    finally:
+        (torchgraft.enable if was else torchgraft.disable)()
+
+
+@contextlib.contextmanager
+def enabled_throughout() -> Iterator[None]:
+    """For an autouse fixture: the test runs with torchgraft enabled, and ends disabled."""
+    import torchgraft
+
+    torchgraft.enable()
+    try:
+        yield
+    finally:
+        torchgraft.disable()

@@ -8,7 +8,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchgraft
-from adopt_helpers import VOCAB, batch, instance_forwards, rel_err, tiny_model, train_step
+from adopt_helpers import (
+    VOCAB,
+    batch,
+    enabled_throughout,
+    instance_forwards,
+    rel_err,
+    tiny_model,
+    train_step,
+)
 from torchgraft import native
 from torchgraft.adopt.report import ADOPTED, SKIPPED
 
@@ -17,10 +25,10 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._nati
 
 
 @pytest.fixture(autouse=True)
-def _clean():
-    torchgraft.disable()
-    yield
-    torchgraft.disable()
+def _enabled():
+    # Adopted layers run torchgraft's operators only while it is enabled.
+    with enabled_throughout():
+        yield
 
 
 def _head_row(report):

@@ -20,6 +20,7 @@ from adopt_helpers import (
     assert_steps_close,
     batch,
     contract_module,
+    enabled_throughout,
     instance_forwards,
     rel_err,
     tiny_model,
@@ -37,7 +38,9 @@ def _collect_dropped_models():
     # A model adopted and dropped without unadopt releases its hold on a module-global function
     # (RoPE) when it is collected; an adopted model refers to itself (its instance forwards),
     # so that waits for the cyclic collector: run it, so no test starts with another's hold.
-    yield
+    # Adopted layers run torchgraft's operators only while it is enabled.
+    with enabled_throughout():
+        yield
     gc.collect()
 
 

@@ -10,7 +10,9 @@ from typing import Protocol
 
 from torch import nn
 
+from torchgraft.adopt.guard import Check
 from torchgraft.adopt.probe import Case, Runner
+from torchgraft.adopt.report import KILLED
 
 FUNCTIONAL = "torchgraft.functional"
 """Where torchgraft's fused ops (SwiGLU, GeGLU, RoPE, cross-entropy...) live when built."""
@@ -31,6 +33,8 @@ class Variant:
     fallback: bool = False
     """Tried only when no other variant of the candidate agrees (e.g. a slower route kept for
     the inputs a fused op does not serve the model's way)."""
+    note: str = ""
+    """Shown with the adopted row (e.g. which calls keep the model's own code)."""
 
 
 @dataclass
@@ -61,6 +65,10 @@ class Candidate:
     route: str = ""
     preference_key: object = None
     """Candidates with the same key (same class) try first the variant the previous one took."""
+    check: Check | None = None
+    """What the installed layer re-checks on each call beyond its class and the switch (see
+    :mod:`torchgraft.adopt.guard`), against ``verified``."""
+    verified: object = None
 
 
 @dataclass
@@ -72,6 +80,8 @@ class Context:
     use_kernels: bool
     fuse_weight: bool = False
     """RMSNorm: apply the weight inside the fused kernel (see :mod:`torchgraft.adopt.rms_norm`)."""
+    killed: bool = False
+    """The kill switch is set: nothing is probed, looked up or installed."""
     claimed: set[int] = field(default_factory=set)
     """ids of modules some candidate accounts for."""
     preferred: dict[object, str] = field(default_factory=dict)
@@ -80,6 +90,8 @@ class Context:
     def functional_op(self, name: str) -> tuple[Callable[..., object] | None, str]:
         """``torchgraft.functional.<name>`` if this build has it, else ``None`` and the reason
         (looked up once per call to adopt, never cached across calls)."""
+        if self.killed:
+            return None, KILLED
         if name not in self._ops:
             self._ops[name] = _lookup(name)
         return self._ops[name]

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchgraft.adopt import guard
 from torchgraft.adopt.base import Candidate, Context, Variant
 from torchgraft.adopt.causal_lm_loss import is_transformers_causal_lm_loss
 from torchgraft.adopt.probe import Case, training_mode
@@ -145,7 +147,17 @@ class CausalLMHeadAdopter:
         c.cases = functools.partial(_cases, module)
         c.run = functools.partial(_run, module)
         c.preference_key = (self.kind, type(module))
+        c.check = recheck
+        c.verified = Verified(
+            guard.child(module, "lm_head"), getattr(module, "loss_type", None), module.loss_function
+        )
         return c
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config attributes with which a model transforms its logits after the head."""
+LABELS_POSITION = 5
+"""Where ``labels`` sits among the forward's positional parameters."""
 
 
 def _not_plain(module: nn.Module) -> str:
@@ -160,13 +172,59 @@ def _not_plain(module: nn.Module) -> str:
     base = getattr(module, str(getattr(module, "base_model_prefix", "")), None)
     if not isinstance(base, nn.Module) or base is module:
         return "no base model (base_model_prefix) to run without the head"
-    config = getattr(module, "config", None)
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            return f"config.{name} transforms the logits after the head"
     if head.weight.is_meta:
         return "parameters on the meta device: load the weights first"
+    return _logits_transformed(module)
+
+
+def _logits_transformed(module: nn.Module, per_call: bool = False) -> str:
+    """Which config attribute transforms the logits after the head, if any. ``per_call``: read
+    only the config's own dict (a class attribute changes with the class, and transformers'
+    configs answer ``getattr`` slowly: tens of microseconds for three names)."""
+    config = module.__dict__.get("config")
+    own = object.__getattribute__(config, "__dict__") if config is not None else {}
+    for name in LOGIT_TRANSFORMS:
+        value = own.get(name) if per_call else getattr(config, name, None)
+        if value is not None and value != 1:
+            return f"config.{name} transforms the logits after the head"
     return ""
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What an adopted head was verified with (re-checked by :func:`recheck`)."""
+
+    lm_head: guard.Child
+    loss_type: object
+    """The model's ``loss_type`` (what its default ``loss_function`` resolves by)."""
+    loss: object
+    """Its ``loss_function`` (transformers' ``ForCausalLMLoss``)."""
+
+
+def recheck(
+    module: nn.Module, verified: Verified, args: tuple[object, ...], kwargs: dict[str, object]
+) -> str:
+    """Why a training call with labels must run the model's own forward: the fused path reads
+    ``lm_head.weight`` without calling ``lm_head`` and computes ``ForCausalLMLoss`` itself, so
+    ``lm_head`` must be the plain ``nn.Linear`` verified without hooks, no global module hooks
+    may be set, the loss must still be transformers' ``ForCausalLMLoss`` and the logits must
+    not be transformed. Calls the fused path does not take (evaluation, no labels) are the
+    model's own anyway: nothing to check."""
+    labels = args[LABELS_POSITION] if len(args) > LABELS_POSITION else kwargs.get("labels")
+    if not module.training or labels is None:
+        return ""
+    why = guard.child_changed(module, verified.lm_head) or guard.global_hooks()
+    if why:
+        return why
+    loss = module.__dict__.get("_loss_function")
+    if loss is None:
+        if getattr(module, "loss_type", None) != verified.loss_type:
+            return "its loss_type changed"
+    elif loss is not verified.loss:
+        own = loss.own if isinstance(loss, guard.GuardedFunction) else loss  # the loss adopter's
+        if own is not verified.loss and not is_transformers_causal_lm_loss(own):
+            return f"loss_function is {getattr(loss, '__qualname__', loss)}, not ForCausalLMLoss"
+    return _logits_transformed(module, per_call=True)
 
 
 def _cases(module: nn.Module) -> list[Case]:

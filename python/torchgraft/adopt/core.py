@@ -12,14 +12,23 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from torchgraft import control
 from torchgraft.adopt import hub, slots
 from torchgraft.adopt.base import Adopter, Candidate, Context, Variant
 from torchgraft.adopt.causal_lm_head import CausalLMHeadAdopter
 from torchgraft.adopt.causal_lm_loss import CausalLMLossAdopter
 from torchgraft.adopt.gated_mlp import GatedMLPAdopter
+from torchgraft.adopt.guard import Guard, GuardedFunction, guarded_forward
 from torchgraft.adopt.hub_layers import HubLayerReporter
 from torchgraft.adopt.probe import Verdict, compare
-from torchgraft.adopt.report import ADOPTED, ALREADY, SKIPPED, AdoptionReport, AdoptionRow
+from torchgraft.adopt.report import (
+    ADOPTED,
+    ALREADY,
+    KILLED,
+    SKIPPED,
+    AdoptionReport,
+    AdoptionRow,
+)
 from torchgraft.adopt.rms_norm import RMSNormAdopter
 from torchgraft.adopt.rope import RopeAdopter
 
@@ -49,9 +58,15 @@ def adopt(model: nn.Module, *, via: str = "auto", fuse_weight: bool = False) -> 
     reason in the report. Parameters, buffers, ``state_dict``, hooks and the model's class are
     untouched; :func:`unadopt` puts every replaced forward back.
 
-    Adopting routes the layers; :func:`torchgraft.enable` installs the kernels under those
-    operators. Calling ``adopt`` again adopts what is new and reports the rest as already
-    adopted. The global random state is left as it was.
+    Adopting routes the layers; they run torchgraft's operators while :func:`torchgraft.enable`
+    is in effect (and the operator is not switched off), the model's own code otherwise. On each
+    call an adopted layer re-checks what was verified (its class, the children it bypasses and
+    their hooks, global module hooks, the loss function...); where that no longer holds, the
+    call runs the model's own forward and a warning names the layer and the reason (see
+    :mod:`torchgraft.adopt.guard`). With ``TORCHGRAFT_DISABLE=1`` (the kill switch) nothing is
+    adopted: each layer is reported ``not adopted: kill switch``. Calling ``adopt`` again adopts
+    what is new and reports the rest as already adopted. The global random state is left as it
+    was.
 
     Args:
         model: any ``nn.Module`` (a transformers ``PreTrainedModel``, torchtitan-style code...),
@@ -75,7 +90,7 @@ def adopt(model: nn.Module, *, via: str = "auto", fuse_weight: bool = False) -> 
     use_kernels = via == "kernels" or (via == "auto" and hub.available())
     if via == "kernels" and not hub.available():
         raise ImportError("adopt(via='kernels') needs the kernels package (pip install kernels)")
-    ctx = Context(via=via, use_kernels=use_kernels, fuse_weight=fuse_weight)
+    ctx = Context(via=via, use_kernels=use_kernels, fuse_weight=fuse_weight, killed=_killed())
     rows: list[AdoptionRow] = []
     with _lock, _probing(model):
         for adopter in ADOPTERS:
@@ -112,6 +127,11 @@ def unadopt(model: nn.Module) -> int:
     return undone
 
 
+def _killed() -> bool:
+    """Whether the kill switch (``TORCHGRAFT_DISABLE``) is set: nothing of torchgraft runs."""
+    return control._env_flag(control.DISABLE_ENV)
+
+
 def _check_module(name: str, model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{name}() expects a torch.nn.Module, got {type(model).__name__}")
@@ -130,6 +150,8 @@ def _settle(model: nn.Module, c: Candidate, ctx: Context) -> AdoptionRow:
     """Verify the candidate's variants and install the best; the row says what happened."""
     if _already(model, c):
         return AdoptionRow(c.path, c.layer, c.kind, ALREADY, c.route)
+    if ctx.killed:
+        return AdoptionRow(c.path, c.layer, c.kind, SKIPPED, reason=KILLED)
     if c.status or not c.variants:
         reason = c.reason or "nothing to adopt"
         return AdoptionRow(c.path, c.layer, c.kind, c.status or SKIPPED, c.route, reason=reason)
@@ -202,20 +224,36 @@ def _install(
     route = f"{variant.name} -> {variant.op}"
     via = {"forward": "forward", "attribute": c.slot.lstrip("_"), "global": "global"}[c.slot_kind]
     row = AdoptionRow(c.path, c.layer, c.kind, ADOPTED, route, via, max_err=max_err)
+    op = variant.op.rpartition("::")[2]  # the bare symbol the switches name
     if c.slot_kind == "global":
-        row = replace(row, reason="process-wide while an adopted model holds it")
-        slots.hold_global(model, c.owner, c.slot, variant.function, row)  # type: ignore[arg-type]
+        note = _joined("process-wide while an adopted model holds it", variant.note)
+        row = replace(row, reason=note)
+        # Held from an earlier adoption (no own): that function is guarded already.
+        fn = variant.function if c.own is None else GuardedFunction(variant.function, c.own, op)
+        why = slots.hold_global(model, c.owner, c.slot, fn, row)  # type: ignore[arg-type]
+        return replace(row, status=SKIPPED, route="", via="", reason=why) if why else row
+    if c.slot_kind == "attribute":
+        assert c.own is not None
+        slots.install(c.owner, c.slot, GuardedFunction(variant.function, c.own, op), row, False)
         return row
-    if c.slot_kind == "forward" and c.hub_name and ctx.use_kernels and _leaf(c.owner):
+    owner = c.owner
+    assert isinstance(owner, nn.Module)
+    guard = Guard(op, c.path, c.layer, type(owner), type(owner).forward, c.check, c.verified)
+    forward = guarded_forward(variant.function)
+    if c.hub_name and ctx.use_kernels and _leaf(owner):
         row = replace(row, via="kernels")
-        failure = _kernelize(c, variant, row)
+        failure = _kernelize(c, forward, guard, row)
         if not failure:
             return row
         if ctx.via == "kernels":
             return replace(row, status=SKIPPED, reason=f"kernels declined: {failure}", max_err=None)
         row = replace(row, via="forward", reason=f"kernels declined ({failure}); set on forward")
-    slots.install(c.owner, c.slot, variant.function, row, bind=c.slot_kind == "forward")
+    slots.install(owner, c.slot, forward, row, bind=True, guard=guard)
     return row
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
 
 
 def _leaf(module: object) -> bool:
@@ -223,13 +261,13 @@ def _leaf(module: object) -> bool:
     return isinstance(module, nn.Module) and next(module.children(), None) is None
 
 
-def _kernelize(c: Candidate, variant: Variant, row: AdoptionRow) -> str:
+def _kernelize(c: Candidate, forward: Callable[..., object], guard: Guard, row: AdoptionRow) -> str:
     """Install through ``kernels.kernelize``; returns why it did not take (empty on success)."""
     module = c.owner
     assert isinstance(module, nn.Module) and c.hub_name is not None
-    slots.remember(module, c.slot, variant.function, row)
+    slots.remember(module, c.slot, forward, row, guard)
     try:
-        hub.kernelize(module, c.hub_name, variant.function)
+        hub.kernelize(module, c.hub_name, forward)
     except Exception as e:
         failure = f"{type(e).__name__}: {e}"
     else:

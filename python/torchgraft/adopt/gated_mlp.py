@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchgraft.adopt import guard
 from torchgraft.adopt.base import Candidate, Context, Variant, hub_name, single_input
 from torchgraft.adopt.probe import Case, random_tensor, training_mode
 from torchgraft.adopt.report import SKIPPED
@@ -119,9 +120,8 @@ class GatedMLPAdopter:
                 yield self._candidate(path, module, layout, ctx)
 
     def _candidate(self, path: str, module: nn.Module, layout: Layout, ctx: Context) -> Candidate:
-        activation = next(
-            (getattr(module, a) for a in layout.activations if hasattr(module, a)), None
-        )
+        act_name = next((a for a in layout.activations if hasattr(module, a)), None)
+        activation = getattr(module, act_name) if act_name is not None else None
         # The activation is part of this layer: not reported again on its own.
         ctx.claimed.update(id(m) for m in (module, activation) if isinstance(m, nn.Module))
         c = Candidate(
@@ -151,7 +151,18 @@ class GatedMLPAdopter:
         c.cases = functools.partial(_cases, module, layout)
         c.run = functools.partial(_run, module)
         c.preference_key = (self.kind, type(module))
+        c.check = recheck
+        c.verified = guard.child(module, act_name) if act_name in module._modules else None
         return c
+
+
+def recheck(module: nn.Module, activation: guard.Child | None, args: object, kwargs: object) -> str:
+    """Why this call must run the layer's own forward: the replacement computes the activation
+    module's function without calling it, so that module must be the class (and settings)
+    verified, with no hooks, and no global module hooks may be set."""
+    if activation is None:
+        return ""
+    return guard.child_changed(module, activation) or guard.global_hooks()
 
 
 def _layout(module: nn.Module) -> Layout | None:

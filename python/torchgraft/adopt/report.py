@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from torchgraft import control
+
 ADOPTED = "adopted"
 """The layer now runs the replacement (verified equal on a probe first)."""
 NATIVE = "native"
@@ -13,6 +15,11 @@ ALREADY = "already adopted"
 """An earlier :func:`torchgraft.adopt` call adopted the layer; left as it is."""
 SKIPPED = "skipped"
 """Left exactly as it was; ``reason`` says why."""
+KILLED = "not adopted: kill switch (TORCHGRAFT_DISABLE is set)"
+"""The reason of every row while the kill switch is set (status :data:`SKIPPED`)."""
+NOT_ENABLED = (
+    "torchgraft is not enabled: adopted layers run the model's own code until torchgraft.enable()"
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,9 @@ class AdoptionReport:
     """The result of :func:`torchgraft.adopt`: every layer it looked at (:attr:`rows`).
 
     ``print(report)`` shows a table with one line per (layer class, outcome);
-    :meth:`table` with ``grouped=False`` shows one line per layer.
+    :meth:`table` with ``grouped=False`` shows one line per layer. Adopted layers run
+    torchgraft's operators only while :func:`torchgraft.enable` is in effect: the table says so
+    when it is not.
     """
 
     rows: list[AdoptionRow] = field(default_factory=list)
@@ -74,6 +83,10 @@ class AdoptionReport:
                 (default), or one line per layer with its path.
         """
         header = f"torchgraft.adopt: {len(self.adopted)} of {len(self.rows)} layers adopted"
+        if any(r.reason == KILLED for r in self.rows):
+            header += " (kill switch: TORCHGRAFT_DISABLE is set)"
+        elif self.adopted and not control.is_enabled():
+            header += f"\nnote: {NOT_ENABLED}"
         if not self.rows:
             return header
         if grouped:

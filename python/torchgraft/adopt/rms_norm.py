@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +233,39 @@ def _plan(c: Candidate, module: nn.Module, ctx: Context) -> None:
     c.cases = functools.partial(_cases, module, hidden)
     c.run = functools.partial(_run, module)
     c.preference_key = ("rms_norm", type(module))
+    c.check = recheck
+    c.verified = Verified(weight is not None, eps_attr, frozenset(_dtype_pairs(module)))
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What an adopted RMSNorm was verified with (re-checked on each call by :func:`recheck`)."""
+
+    weighted: bool
+    eps_attr: str
+    dtypes: frozenset[tuple[torch.dtype, torch.dtype | None]]
+    """(input dtype, weight dtype) pairs the probe covered."""
+
+
+def recheck(
+    module: nn.Module, verified: Verified, args: tuple[object, ...], kwargs: dict[str, object]
+) -> str:
+    """Why this call must run the layer's own forward (empty: the replacement may serve it)."""
+    weight = module._parameters.get("weight")
+    if verified.weighted != (weight is not None):
+        return "its weight was removed" if weight is None else "it has a weight now"
+    if weight is not None and weight.dim() != 1:
+        return f"weight is now {tuple(weight.shape)}, not a vector"
+    own, attr = module.__dict__, verified.eps_attr
+    if not isinstance(own[attr] if attr in own else getattr(module, attr, None), float | int):
+        return f"{verified.eps_attr} is not a number any more"
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return "called with other arguments than one input tensor"
+    # Only float dtypes were verified: this also refuses an integer (quantized) weight.
+    pair = (args[0].dtype, None if weight is None else weight.dtype)
+    if pair not in verified.dtypes:
+        return f"input {_short(pair[0])} with weight {_short(pair[1])} was not verified"
+    return ""
 
 
 def _not_plain(module: nn.Module) -> str:
@@ -253,23 +287,31 @@ def _not_plain(module: nn.Module) -> str:
     return ""
 
 
+def _dtype_pairs(module: nn.Module) -> list[tuple[torch.dtype, torch.dtype | None]]:
+    """(input, weight) dtypes to probe: the module's own, float32, bfloat16 and float16, and the
+    half-precision inputs with a float32 weight (mixed precision). ``None``: no weight."""
+    weight = module._parameters.get("weight")
+    own = weight.dtype if weight is not None else torch.float32
+    half = (torch.bfloat16, torch.float16)
+    pairs = [(own, own), (torch.float32, torch.float32)] + [(h, h) for h in half]
+    if weight is not None:
+        pairs += [(h, torch.float32) for h in half]
+    else:
+        pairs = [(x, None) for x, _ in pairs]
+    return list(dict.fromkeys(pairs))
+
+
 def _cases(module: nn.Module, hidden: int) -> list[Case]:
-    """Random input and weight, in the module's dtype, float32, bfloat16 and bfloat16 input with
-    float32 weight (mixed precision), each in train and eval mode."""
+    """Random input and weight in each of :func:`_dtype_pairs`, in train and eval mode."""
     weight = module._parameters.get("weight")
     device = weight.device if weight is not None else torch.device("cpu")
-    own = weight.dtype if weight is not None else torch.float32
-    pairs = dict.fromkeys(
-        [(own, own), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
-        + ([(torch.bfloat16, torch.float32)] if weight is not None else [])
-    )
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for x_dtype, w_dtype in pairs:
+    for x_dtype, w_dtype in _dtype_pairs(module):
         x = random_tensor((2, 3, hidden), gen, x_dtype, device, scale=2.0, offset=0.25)
         x.requires_grad_(True)
         params: dict[str, nn.Parameter] = {}
-        if weight is not None:
+        if weight is not None and w_dtype is not None:
             w = random_tensor((hidden,), gen, w_dtype, device, scale=0.5, offset=1.0)
             params["weight"] = nn.Parameter(w)
         for training in (True, False):
@@ -281,8 +323,8 @@ def _cases(module: nn.Module, hidden: int) -> list[Case]:
     return cases
 
 
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _short(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _run(module: nn.Module, fn: Callable[..., object], case: Case) -> object:

@@ -8,7 +8,9 @@ Two kinds of slot:
   ``copy.deepcopy`` and ``.to()``; ``state_dict``, parameters, buffers and hooks are untouched.
 - A module-global function (transformers' ``apply_rotary_pos_emb``): shared by every model of
   that family in the process, so it is replaced while at least one adopted model holds it and put
-  back when the last one is unadopted or garbage collected.
+  back when the last one is unadopted or garbage collected. The hold belongs to the model's
+  records object (weakly referenced), so a deep copy of the model, which copies its records,
+  holds it too, and releasing one leaves the other whole.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torchgraft.adopt.report import AdoptionRow
+
+if TYPE_CHECKING:
+    from torchgraft.adopt.guard import Guard
 
 RECORDS = "_torchgraft_adoption"
 """The attribute (in the owner's ``__dict__``) holding its records: ``{slot name: record}``."""
@@ -40,12 +46,16 @@ class Record:
     installed: Callable[..., object]
     """The installed function (for ``forward``, the function bound to the module)."""
     row: AdoptionRow
+    guard: Guard | None = None
+    """What the installed function re-checks on each call (:mod:`torchgraft.adopt.guard`)."""
 
 
 class _Records(dict):  # type: ignore[type-arg]
-    """An owner's records. Copies (``copy.deepcopy``) keep them; pickles drop them: the installed
-    functions are closures, and a pickled module's bound ``forward`` comes back as its class's
-    (``MethodType`` pickles by name), so an unpickled model is a plain, unadopted one."""
+    """An owner's records. Copies (``copy.deepcopy``) keep them, and a copy holds the
+    module-global replacements the original holds; pickles drop them: the installed functions
+    are closures, a pickled module's bound ``forward`` comes back as its class's (``MethodType``
+    pickles by name) and a replaced loss function as the model's own, so an unpickled model is a
+    plain, unadopted one."""
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return dict, ()
@@ -54,7 +64,21 @@ class _Records(dict):  # type: ignore[type-arg]
         return _Records(self)
 
     def __deepcopy__(self, memo: dict[int, object]) -> _Records:
-        return _Records({k: copy.deepcopy(v, memo) for k, v in self.items()})
+        new = _Records()
+        memo[id(self)] = new
+        for k, v in self.items():
+            if isinstance(v, GlobalRecord) and not _hold(new, v.key):
+                continue  # released meanwhile: the copy holds nothing there either
+            new[k] = copy.deepcopy(v, memo)
+        return new
+
+
+def _own_records(owner: object) -> _Records:
+    """The owner's records, created where absent (an unpickled model has a plain empty dict)."""
+    recs = vars(owner).get(RECORDS)
+    if not isinstance(recs, _Records):
+        recs = vars(owner)[RECORDS] = _Records(recs or {})
+    return recs
 
 
 def records(owner: object) -> dict[str, object]:
@@ -75,20 +99,29 @@ def _holds(owner: object, rec: Record) -> bool:
     return current is rec.installed
 
 
-def remember(owner: object, attr: str, installed: Callable[..., object], row: AdoptionRow) -> None:
+def remember(
+    owner: object,
+    attr: str,
+    installed: Callable[..., object],
+    row: AdoptionRow,
+    guard: Guard | None = None,
+) -> None:
     """Record what ``owner.attr`` is now, before something installs ``installed`` there."""
     own = vars(owner)
-    own.setdefault(RECORDS, _Records())[attr] = Record(
-        attr, attr in own, own.get(attr), installed, row
-    )
+    _own_records(owner)[attr] = Record(attr, attr in own, own.get(attr), installed, row, guard)
 
 
 def install(
-    owner: object, attr: str, function: Callable[..., object], row: AdoptionRow, bind: bool
+    owner: object,
+    attr: str,
+    function: Callable[..., object],
+    row: AdoptionRow,
+    bind: bool,
+    guard: Guard | None = None,
 ) -> None:
     """Put ``function`` (bound to ``owner`` when ``bind``) in ``owner.attr``, remembering what was
     there."""
-    remember(owner, attr, function, row)
+    remember(owner, attr, function, row, guard)
     vars(owner)[attr] = types.MethodType(function, owner) if bind else function
 
 
@@ -125,10 +158,12 @@ class _GlobalPatch:
     original: object
     replacement: Callable[..., object]
     holders: dict[int, weakref.ref[object]] = field(default_factory=dict)
+    """The records objects (:class:`_Records`) of the models holding it, by id."""
 
 
 _globals: dict[tuple[str, str], _GlobalPatch] = {}
-_globals_lock = threading.Lock()
+# Reentrant: a holder collected while the lock is held calls back into _drop on this thread.
+_globals_lock = threading.RLock()
 
 
 def hold_global(
@@ -137,24 +172,43 @@ def hold_global(
     name: str,
     replacement: Callable[..., object],
     row: AdoptionRow,
-) -> None:
-    """Replace ``module.name`` by ``replacement`` (if not already) on behalf of ``holder``."""
+) -> str:
+    """Replace ``module.name`` by ``replacement`` (if not already) on behalf of ``holder``.
+
+    Returns why not (empty when held): a function someone else put at ``module.name`` after the
+    first adoption is never overwritten.
+    """
     key = (module.__name__, name)
+    with _globals_lock:
+        current = getattr(module, name)
+        patch = _globals.get(key)
+        if patch is None:
+            patch = _GlobalPatch(current, replacement)
+            _globals[key] = patch
+        elif current is not patch.replacement and current is not patch.original:
+            return (
+                f"{key[0]}.{name} was replaced by {getattr(current, '__qualname__', current)} "
+                "after adoption: left in place"
+            )
+        # Installed again where the original was put back meanwhile (a benchmark that installs
+        # the replacement only around one model's steps, say).
+        setattr(module, name, patch.replacement)
+        recs = _own_records(holder)
+        _hold(recs, key)
+        recs[_global_record(module, name)] = GlobalRecord(key, row)
+    return ""
+
+
+def _hold(recs: _Records, key: tuple[str, str]) -> bool:
+    """Register ``recs`` (a model's records) as a holder of the patch at ``key``; released when
+    the model is unadopted, or when its records are garbage collected. False if no patch is
+    there any more."""
     with _globals_lock:
         patch = _globals.get(key)
         if patch is None:
-            patch = _GlobalPatch(getattr(module, name), replacement)
-            _globals[key] = patch
-        # Installed now even where someone put the original back meanwhile (a benchmark that
-        # installs the replacement only around one model's steps, say).
-        setattr(module, name, patch.replacement)
-        # Released when the holder is unadopted, or when it is garbage collected.
-        patch.holders[id(holder)] = weakref.ref(
-            holder, functools.partial(_dropped, key, id(holder))
-        )
-    vars(holder).setdefault(RECORDS, _Records())[_global_record(module, name)] = GlobalRecord(
-        key, row
-    )
+            return False
+        patch.holders[id(recs)] = weakref.ref(recs, functools.partial(_dropped, key, id(recs)))
+        return True
 
 
 @dataclass
@@ -171,25 +225,28 @@ def _global_record(module: types.ModuleType, name: str) -> str:
 
 def holds_global(holder: object, module: types.ModuleType, name: str) -> bool:
     """Whether ``holder`` holds the replacement of ``module.name``."""
-    rec = records(holder).get(_global_record(module, name))
+    recs = records(holder)
+    rec = recs.get(_global_record(module, name))
     patch = _globals.get((module.__name__, name))
-    return isinstance(rec, GlobalRecord) and patch is not None and id(holder) in patch.holders
+    return isinstance(rec, GlobalRecord) and patch is not None and id(recs) in patch.holders
 
 
-def held_global(module: types.ModuleType, name: str) -> Callable[..., object] | None:
-    """The replacement now installed at ``module.name`` by some adopted model, if any."""
+def held_global(module: types.ModuleType, name: str) -> tuple[object, Callable[..., object]] | None:
+    """``(original, replacement)`` where some adopted model holds a replacement of
+    ``module.name``, else ``None``."""
     patch = _globals.get((module.__name__, name))
-    return patch.replacement if patch is not None else None
+    return (patch.original, patch.replacement) if patch is not None else None
 
 
 def release_global(holder: object, record_name: str) -> bool:
     """Drop ``holder``'s hold; the original function comes back when no holder is left.
     Returns whether ``holder`` held it."""
-    rec = records(holder).get(record_name)
+    recs = records(holder)
+    rec = recs.get(record_name)
     if not isinstance(rec, GlobalRecord):
         return False
     forget(holder, record_name)
-    return _drop(rec.key, id(holder))
+    return _drop(rec.key, id(recs))
 
 
 def _dropped(key: tuple[str, str], holder_id: int, _: object) -> None:
