@@ -10,8 +10,9 @@ PY := $(VENV)/bin/python
 # nvcc 13.0 from PyPI, pinned as one family so its pieces agree (the GPU machines run 13.0).
 CUDA_TOOLS := nvidia-cuda-nvcc==13.0.* nvidia-nvvm==13.0.* nvidia-cuda-crt==13.0.* nvidia-cuda-cccl==13.0.*
 # transformers (5.17, as on the GPU machines) and kernels (0.16.x, the range transformers 5.17 accepts):
-# model adoption and the end-to-end benchmark are tested on tiny models built from configs.
-PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2" hypothesis transformers==5.17.0 "kernels>=0.16,<0.17"
+# model adoption and the end-to-end benchmark are tested on tiny models built from configs; peft
+# (0.21.x, for transformers 5.x): the adoption mutation tests put LoRA on adopted models.
+PY_TOOLS := numpy pytest ruff matplotlib "maturin>=1.7,<2" hypothesis transformers==5.17.0 "kernels>=0.16,<0.17" "peft>=0.21,<0.22"
 # Helion (the Helion RMSNorm's CPU tests run its generated Triton in Triton's interpreter):
 # 1.5.x needs torch >= 2.13 (torchgraft/dsl/helion.py), 1.4.0 runs on 2.11 and 2.12.
 HELION := $(if $(filter 2.11.% 2.12.%,$(TORCH)),helion==1.4.0,helion==1.5.1)
