@@ -535,29 +535,34 @@ def test_pickle_gives_a_plain_model():
 # ---- the switches -----------------------------------------------------------------------------
 
 
-def test_disable_gives_exactly_stock_and_no_kernel_runs():
-    # TODO(switches): also `with torchgraft.disabled():` once control.py has it.
+@pytest.mark.parametrize("switch", ["disable()", "with disabled()"])
+def test_switched_off_gives_exactly_stock_and_no_kernel_runs(switch):
     p = pair("llama")
-    torchgraft.disable()
-    ref_loss, ref_grads = step(p.stock, seed=5)
+    with torchgraft.disabled():
+        ref_loss, ref_grads = step(p.stock, seed=5)
     torchgraft.reset_stats()
-    loss, grads = step(p.adopted, seed=5)
+    if switch == "disable()":
+        torchgraft.disable()
+        loss, grads = step(p.adopted, seed=5)
+        torchgraft.enable()
+    else:
+        with torchgraft.disabled():
+            loss, grads = step(p.adopted, seed=5)
     assert all(v["calls"] == 0 for v in torchgraft.stats().values())
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
-    torchgraft.enable()
-    assert compare(p).calls["swiglu"] == 2  # enabled again: the kernels run
+    assert compare(p).calls["swiglu"] == 2  # on again: the kernels run
 
 
-def test_an_op_switched_off_runs_the_models_own_code(monkeypatch):
-    # The per-op switch (control._disabled_ops; its public setter lives in control.py).
+def test_an_op_switched_off_runs_the_models_own_code():
     p = pair("llama")
-    monkeypatch.setattr(control, "_disabled_ops", frozenset({"swiglu", "rope"}))
-    out = compare(p)
+    with torchgraft.backends.operations_disabled("swiglu", "rope"):
+        out = compare(p)
     assert out.fallbacks == []
     assert out.calls.get("swiglu", 0) == 0 and out.calls.get("rope", 0) == 0
     assert out.calls["rms_norm"] == 5 and out.calls["linear_cross_entropy"] == 1
+    assert compare(p).calls["swiglu"] == 2
 
 
 def test_the_kill_switch_adopts_nothing(monkeypatch):
