@@ -182,7 +182,7 @@ def _logits_transformed(module: nn.Module, per_call: bool = False) -> str:
     only the config's own dict (a class attribute changes with the class, and transformers'
     configs answer ``getattr`` slowly: tens of microseconds for three names)."""
     config = module.__dict__.get("config")
-    own = object.__getattribute__(config, "__dict__") if config is not None else {}
+    own = vars(config) if config is not None else {}
     for name in LOGIT_TRANSFORMS:
         value = own.get(name) if per_call else getattr(config, name, None)
         if value is not None and value != 1:

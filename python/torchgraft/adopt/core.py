@@ -17,6 +17,7 @@ from torchgraft.adopt import hub, slots
 from torchgraft.adopt.base import Adopter, Candidate, Context, Variant
 from torchgraft.adopt.causal_lm_head import CausalLMHeadAdopter
 from torchgraft.adopt.causal_lm_loss import CausalLMLossAdopter
+from torchgraft.adopt.causal_mask import CausalMaskAdopter
 from torchgraft.adopt.gated_mlp import GatedMLPAdopter
 from torchgraft.adopt.guard import Guard, GuardedFunction, guarded_forward
 from torchgraft.adopt.hub_layers import HubLayerReporter
@@ -36,6 +37,7 @@ ADOPTERS: tuple[Adopter, ...] = (
     RMSNormAdopter(),
     GatedMLPAdopter(),
     RopeAdopter(),
+    CausalMaskAdopter(),  # SDPA's is_causal under torch.compile
     CausalLMHeadAdopter(),  # training with labels: no logits
     CausalLMLossAdopter(),  # every other call that computes the loss
     HubLayerReporter(),  # last: reports hub-tagged layers no adopter above claimed
