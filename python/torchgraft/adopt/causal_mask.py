@@ -9,7 +9,7 @@ whenever ``is_tracing()``, because an *exported* graph would hard-code that deci
 model therefore builds a ``(batch, 1, q, kv)`` boolean mask in every step and SDPA takes its
 masked path: on the H100 the 1b Llama's compiled attention ran 2.8x slower than eager's.
 
-The replacement decides, under ``torch.compile`` (not export: ``torch.compiler.is_exporting()``)
+The replacement decides, under ``torch.compile`` (not ``torch.export``)
 and for calls without a padding mask only, exactly as transformers decides when not tracing;
 dynamo guards on the sizes the decision reads, so a graph is reused only where it holds. Every
 other call (eager, export, jit or fx tracing, a padding mask) is the model's own function. The
@@ -41,8 +41,12 @@ OP = "aten::scaled_dot_product_attention"
 
 
 def compiling() -> bool:
-    """Whether dynamo is tracing for ``torch.compile`` (and not for ``torch.export``)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    """Whether dynamo is tracing for ``torch.compile`` (and not for ``torch.export``).
+
+    Not ``torch.compiler.is_exporting()``: before torch 2.15 dynamo folds it to True inside every
+    trace, ``torch.compile``'s too. The flag it reads is set by export alone, on every torch
+    since 2.4, and dynamo reads (and guards) a module global as it is."""
+    return torch.compiler.is_compiling() and not getattr(torch.compiler, "_is_exporting_flag", True)
 
 
 def skips_mask(
