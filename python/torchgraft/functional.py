@@ -351,8 +351,8 @@ def rms_norm(
     if cast_before_weight:
         out = torch.promote_types(x.dtype, weight.dtype)
         if out != x.dtype:
-            # The product is wider than x: normalize in one kernel, multiply in the wider dtype.
-            _rms_norm.check("rms_norm", x, weight, cast_before_weight=False)
+            # The product is wider than x: normalize in one kernel, multiply in the wider dtype
+            # (which checks the weight's device as eager's product does).
             xhat = _rms_norm.rms_norm(x, None, eps, 0.0, False)[0]
             scale = weight.to(out) + offset if offset != 0 else weight.to(out)
             return xhat.to(out) * scale
