@@ -483,7 +483,12 @@ fn forward_cuda(
     };
     let loss_rows = if cols == 0 {
         // The rows kernel does not run: the losses of rows of no classes.
-        filled(&[rows as i64], acc_dtype(dtype), device, empty_row_loss(loss))?
+        filled(
+            &[rows as i64],
+            acc_dtype(dtype),
+            device,
+            empty_row_loss(loss),
+        )?
     } else {
         NewTensor::empty(&[rows as i64], acc_dtype(dtype), device)?.finish()
     };
