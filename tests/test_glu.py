@@ -88,16 +88,28 @@ def test_runs_the_native_cpu_kernels():
     assert got["native/torchgraft::swiglu_backward/CPU"]["calls"] == 1
 
 
-def test_bad_inputs_raise_like_eager():
+def test_calls_the_kernels_do_not_take_run_the_eager_expression():
     gate, up = _inputs((4, 8), torch.float32)
-    with pytest.raises(RuntimeError, match="expected up of size"):
+    with pytest.raises(RuntimeError, match="must match the size of tensor"):
         tgf.swiglu(gate, up[:, :4])
-    with pytest.raises(RuntimeError, match="expected up to have dtype"):
-        tgf.swiglu(gate, up.double())
-    with pytest.raises(RuntimeError, match="not implemented for 'Long'"):
+    torch.testing.assert_close(tgf.swiglu(gate, up.double()), F.silu(gate) * up.double())
+    torch.testing.assert_close(tgf.swiglu(gate, up[:1]), F.silu(gate) * up[:1])
+    with pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
         tgf.swiglu(gate.long(), up.long())
+    with pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+        tgf.geglu(gate.long(), up.long())
     with pytest.raises(RuntimeError, match="approximate argument must be either none or tanh"):
         tgf.geglu(gate, up, approximate="erf")
+
+
+def test_the_ops_refuse_what_their_kernels_do_not_take():
+    gate, up = _inputs((4, 8), torch.float32)
+    with pytest.raises(RuntimeError, match=r"swiglu: expected up of size \[4, 8\], got \[4, 4\]"):
+        torch.ops.torchgraft.swiglu(gate, up[:, :4])
+    with pytest.raises(RuntimeError, match="swiglu: expected up to have dtype Float, got Double"):
+        torch.ops.torchgraft.swiglu(gate, up.double())
+    with pytest.raises(RuntimeError, match="\"geglu\" not implemented for 'Long'"):
+        torch.ops.torchgraft.geglu(gate.long(), up.long(), False)
 
 
 def test_opcheck():
@@ -186,10 +198,14 @@ def test_inplace_backward_is_refused_where_it_would_be_wrong():
 
 def test_inplace_backward_op_rejects_overlapping_outputs():
     gate, _ = _inputs((4, 8), torch.float32)
-    with pytest.raises(RuntimeError, match="gate and up must not overlap"):
+    with pytest.raises(RuntimeError, match="gate and up are both written to"):
         torch.ops.torchgraft.swiglu_backward_(torch.randn(4, 8), gate, gate)
-    with pytest.raises(RuntimeError, match="gate and up must not overlap"):
+    with pytest.raises(RuntimeError, match="gate and up are both written to"):
         torch.ops.torchgraft.swiglu_backward_(torch.randn(2, 8), gate[:2], gate[1:3])
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.ops.torchgraft.swiglu_backward_(torch.randn(2, 8), gate[0].expand(2, 8), gate[1:3])
+    with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to"):
+        torch.ops.torchgraft.swiglu_backward_(gate[1:3], gate[:2], torch.randn(2, 8))
 
 
 def test_inplace_backward_op_takes_any_layout():

@@ -219,8 +219,13 @@ def test_bad_inputs_raise_like_aten():
         tgf.linear_cross_entropy(hidden, weight[:, :5], target)
     with pytest.raises(RuntimeError, match="expected weight to have dtype"):
         tgf.linear_cross_entropy(hidden, weight.double(), target)
-    with pytest.raises(RuntimeError, match="expected bias of size"):
+    # A bias of another shape gets the eager expression (F.linear's error here).
+    with pytest.raises(RuntimeError, match="must match the existing size"):
         tgf.linear_cross_entropy(hidden, weight, target, b[:3])
+    with pytest.raises(RuntimeError, match=r"expected bias of size \[10\], got \[3\]"):
+        torch.ops.torchgraft.linear_cross_entropy(
+            hidden, weight, target, b[:3], -100, 1, 0, [False, False, False]
+        )
     with pytest.raises(ValueError, match="chunk_size must be positive"):
         tgf.linear_cross_entropy(hidden, weight, target, chunk_size=0)
 

@@ -223,23 +223,37 @@ def test_weight_gradient_is_deterministic_across_thread_counts():
     assert torch.equal(grads[0], grads[1])
 
 
-def test_bad_inputs_raise_like_f_rms_norm():
+def test_calls_the_kernels_do_not_take_run_the_models_expression():
     x, w = _x((4, 8), torch.float32), _w(8, torch.float32, 0.0)
-    with pytest.raises(RuntimeError, match="not implemented for 'Long'"):
-        tgf.rms_norm(x.long(), None, EPS)
-    with pytest.raises(RuntimeError, match="not implemented for 'Int'"):
-        tgf.rms_norm(x, w.int(), EPS)
-    with pytest.raises(RuntimeError, match=r"Expected weight to be of same shape as normalized_sh"):
+    for args in [
+        (x.mul(8).long(), None),
+        (x, w.mul(8).int()),
+        (x[0, 0], None),
+        (x, w[:1]),
+    ]:
+        torch.testing.assert_close(tgf.rms_norm(*args, EPS), rms_norm_eager(*args, EPS))
+    with pytest.raises(RuntimeError, match="must match the size of tensor"):
         tgf.rms_norm(x, w[:4], EPS)
-    with pytest.raises(RuntimeError, match=r"weight of shape \[2, 8\]"):
-        tgf.rms_norm(x, w.expand(2, 8), EPS)
-    with pytest.raises(RuntimeError, match="at least 1 dimension"):
-        tgf.rms_norm(x[0, 0], None, EPS)
     with pytest.raises(ValueError, match="needs a weight"):
         tgf.rms_norm(x, None, EPS, offset=1.0)
+
+
+def test_the_op_refuses_what_its_kernels_do_not_take():
+    x, w = _x((4, 8), torch.float32), _w(8, torch.float32, 0.0)
+    op = torch.ops.torchgraft.rms_norm
+    with pytest.raises(RuntimeError, match="\"rms_norm\" not implemented for 'Long'"):
+        op(x.long(), None, EPS, 0.0, False)
+    with pytest.raises(RuntimeError, match="not implemented for 'Int'"):
+        op(x, w.int(), EPS, 0.0, False)
+    with pytest.raises(RuntimeError, match=r"Expected weight to be of same shape as normalized_sh"):
+        op(x, w[:4], EPS, 0.0, False)
+    with pytest.raises(RuntimeError, match=r"weight of shape \[2, 8\]"):
+        op(x, w.expand(2, 8), EPS, 0.0, False)
+    with pytest.raises(RuntimeError, match="at least 1 dimension"):
+        op(x[0, 0], None, EPS, 0.0, False)
     # The op itself returns x's dtype: a weight that promotes it is the functional's business.
     with pytest.raises(RuntimeError, match="cast_before_weight"):
-        torch.ops.torchgraft.rms_norm(x.bfloat16(), w, EPS, 0.0, True)
+        op(x.bfloat16(), w, EPS, 0.0, True)
 
 
 def test_backward_op_checks_its_arguments():

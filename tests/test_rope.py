@@ -8,7 +8,7 @@ import torch
 from conftest import rel_err
 from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
-from torchgraft.ops.rope.reference import rope_reference, rotate_half
+from torchgraft.ops.rope.reference import rope_eager, rope_reference, rotate_half
 
 # Relative-norm tolerances against the float64 reference: one rounding of each output (a
 # gradient too: the backward is the same kind of rotation).
@@ -194,14 +194,23 @@ def test_bad_inputs_raise_like_eager():
         tgf.rope(q[..., :4], k, cos, sin)
     with pytest.raises(RuntimeError, match="must broadcast to q's size"):
         tgf.rope(q, k, cos.expand(3, 4, 8), sin.expand(3, 4, 8))
-    with pytest.raises(RuntimeError, match="expected sin of size"):
+    # Tables of two shapes get the eager expression (its broadcasting error here).
+    with pytest.raises(RuntimeError, match="must match the size of tensor"):
         tgf.rope(q, k, cos, sin[:, :2])
+    with pytest.raises(RuntimeError, match="expected sin of size"):
+        torch.ops.torchgraft.rope(q, k, cos, sin[:, :2], 1)
     with pytest.raises(RuntimeError, match="expected k to have dtype"):
         torch.ops.torchgraft.rope(q, k.double(), cos, sin, 1)
-    with pytest.raises(RuntimeError, match="not implemented for 'Long'"):
-        tgf.rope(q.long(), k.long(), cos.long(), sin.long())
-    with pytest.raises(RuntimeError, match="Dimension out of range"):
+    with pytest.raises(RuntimeError, match="\"rope\" not implemented for 'Long'"):
+        torch.ops.torchgraft.rope(q.long(), k.long(), cos.long(), sin.long(), 1)
+    # What the kernels do not take runs the eager expression, with its results and errors.
+    ints = [t.mul(4).long() for t in (q, k, cos, sin)]
+    for got, want in zip(tgf.rope(*ints), rope_eager(*ints), strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="Dimension out of range"):
         tgf.rope(q, k, cos, sin, unsqueeze_dim=5)
+    with pytest.raises(RuntimeError, match="Dimension out of range"):
+        torch.ops.torchgraft.rope(q, k, cos, sin, 5)
     with pytest.raises(TypeError, match="unsqueeze_dim must be an int"):
         tgf.rope(q, k, cos, sin, unsqueeze_dim=1.0)
 

@@ -3,6 +3,13 @@
 Each runs one ``torch.ops.torchgraft.*`` custom operator (Rust kernels on CPU, CUDA C++ on CUDA)
 in place of a chain of aten ops that the dispatcher cannot fuse. Importing this module defines
 those operators (it needs the compiled extension); it imports no DSL.
+
+The kernels compute the real floating dtypes (float32, float64, bfloat16, float16). A call they
+do not take (integer, boolean or complex tensors, and the few argument forms each function
+names) runs the eager expression the function stands for, so it gets PyTorch's own results and
+errors (``NotImplementedError`` for a dtype ATen does not implement, ``IndexError`` for a
+dimension out of range). Everything else is checked once, by the op's native entry (and its fake
+function for meta tensors), which raises ``RuntimeError`` with ATen's messages.
 """
 
 from __future__ import annotations
@@ -11,15 +18,28 @@ import torch
 from torch import Tensor
 
 from torchgraft.ops.cross_entropy import custom_op as _ce
+from torchgraft.ops.cross_entropy.reference import cross_entropy_eager, rows_of
 from torchgraft.ops.glu import custom_op as _glu
+from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
 from torchgraft.ops.linear_cross_entropy import custom_op as _lce  # noqa: F401  (autograd)
+from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
 from torchgraft.ops.model_rms_norm import custom_op as _rms_norm
 from torchgraft.ops.model_rms_norm.reference import acc_dtype as _acc_dtype
+from torchgraft.ops.model_rms_norm.reference import rms_norm_eager
+from torchgraft.ops.operands import FLOATS as _FLOATS
 from torchgraft.ops.rope import custom_op as _rope
+from torchgraft.ops.rope.reference import rope_eager
 
 __all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def _glu_kernel_takes(gate: Tensor, up: Tensor) -> bool:
+    """Whether the fused GLU kernels take ``gate`` and ``up``: one real floating dtype, one
+    shape. Mixed dtypes (promoted), broadcasting shapes and other dtypes get the eager
+    expression."""
+    return gate.dtype in _FLOATS and up.dtype == gate.dtype and up.shape == gate.shape
 
 
 def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tensor:
@@ -36,7 +56,11 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
             version counter moves); leaves, tensors that do not require grad and
             non-contiguous tensors get ordinary allocated gradients. On CPU the kernel
             computes into temporaries and copies: the memory saving is on the GPU.
+
+    Other dtypes, mixed dtypes and shapes that broadcast compute ``F.silu(gate) * up``.
     """
+    if not _glu_kernel_takes(gate, up):
+        return swiglu_eager(gate, up)
     return _glu.swiglu(gate, up, inplace_backward=inplace_backward)
 
 
@@ -51,9 +75,13 @@ def geglu(
         approximate: ``"none"`` (exact, erf) or ``"tanh"``, as for ``F.gelu``.
         inplace_backward: As for [`swiglu`][]: the backward writes the gradients over ``gate``
             and ``up`` (only for callers that own them and never read them afterwards).
+
+    Other dtypes, mixed dtypes and shapes that broadcast compute ``F.gelu(gate) * up``.
     """
     if approximate not in _GELU_APPROXIMATIONS:
         raise RuntimeError(f"approximate argument must be either none or tanh, got {approximate!r}")
+    if not _glu_kernel_takes(gate, up):
+        return geglu_eager(gate, up, approximate)
     return _glu.geglu(gate, up, approximate == "tanh", inplace_backward=inplace_backward)
 
 
@@ -76,7 +104,8 @@ def rope(
     Each output has its input's strides when the input is dense (as eager's elementwise ops
     give), else it is contiguous. Arithmetic is in float32 (float64 for float64), each element
     rounded once; inputs of different dtypes are computed in their promoted dtype, as eager
-    promotes them.
+    promotes them. Other dtypes, an ``unsqueeze_dim`` out of the tables' range and tables of two
+    shapes get the eager expression (``rope_eager``), with its results and errors.
 
     Args:
         q: Queries, ``(..., D)``, a floating dtype.
@@ -90,8 +119,13 @@ def rope(
     """
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
         raise TypeError(f"unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__}")
-    if q.dtype == k.dtype == cos.dtype == sin.dtype:
+    rank = cos.dim()
+    takes = -rank - 1 <= unsqueeze_dim <= rank and sin.shape == cos.shape
+    if q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in _FLOATS and takes:
         return _rope.rope(q, k, cos, sin, unsqueeze_dim)
+    floats = all(t.dtype in _FLOATS for t in (q, k, cos, sin))
+    if not (floats and takes):
+        return rope_eager(q, k, cos, sin, unsqueeze_dim)
     q_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     k_dtype = torch.promote_types(k.dtype, torch.promote_types(cos.dtype, sin.dtype))
     common = torch.promote_types(q_dtype, k_dtype)
@@ -164,11 +198,15 @@ def cross_entropy(
             backward runs at most once (a second one raises). ``logits`` must not be a leaf that
             requires grad. Ignored (a new buffer is used) under ``torch.compile`` or any
             tracing, without gradients, and for non-contiguous logits.
+
+    Logits of another dtype (integer, boolean, complex) get ``F.cross_entropy`` itself.
     """
     red = _reduction(reduction)
     if logits.dim() < 1:
         raise ValueError(f"Expected 1 or more dimensions (got {logits.dim()})")
-    rows = logits.reshape(-1, logits.shape[-1])
+    if logits.dtype not in _FLOATS:
+        return cross_entropy_eager(logits, target, ignore_index, reduction, label_smoothing)
+    rows = rows_of(logits)
     flat_target = _rows_target(target, rows.shape[0])
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     in_place = inplace_backward and compute_grad and rows.is_contiguous() and _ce.eager(rows)
@@ -226,16 +264,22 @@ def linear_cross_entropy(
             (at least 1024 rows). Larger chunks are
             faster and round the weight gradient fewer times, and cost ``chunk_size * V``
             elements.
+
+    ``hidden`` of another dtype (integer, boolean, complex) and a bias of another dtype or of
+    another shape than ``(V,)`` (that broadcasts) get the eager expression,
+    ``F.cross_entropy(F.linear(hidden, weight, bias), target)``.
     """
     red = _reduction(reduction)
     if hidden.dim() < 1:
         raise ValueError(f"Expected 1 or more dimensions (got {hidden.dim()})")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    rows = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.dtype not in _FLOATS or not _lce_bias_fits(hidden, weight, bias):
+        return linear_cross_entropy_eager(hidden, weight, target, bias, ignore_index, reduction)
+    rows = rows_of(hidden)
     flat_target = _rows_target(target, rows.shape[0])
     device = rows.device.type
-    if torch.is_autocast_enabled(device):
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         # As F.linear under autocast: the matmul's operands in the autocast dtype.
         dtype = torch.get_autocast_dtype(device)
         rows, weight = rows.to(dtype), weight.to(dtype)
@@ -292,19 +336,37 @@ def rms_norm(
             (as ``F.rms_norm``).
         offset: Added to the weight (Gemma: 1.0).
         cast_before_weight: Round ``xhat`` to ``x``'s dtype before the weight multiply.
+
+    Other dtypes, a 0-dim ``x`` and a weight of another shape that broadcasts compute the eager
+    expression (``rms_norm_eager``).
     """
     if eps is None:
         eps = torch.finfo(_acc_dtype(x.dtype)).eps
+    if weight is None and offset != 0:
+        raise ValueError(f"rms_norm: offset={offset} needs a weight (offset + weight)")
+    if not _rms_norm_kernel_takes(x, weight):
+        return rms_norm_eager(x, weight, eps, offset, cast_before_weight)
     if weight is None:
-        if offset != 0:
-            raise ValueError(f"rms_norm: offset={offset} needs a weight (offset + weight)")
         return _rms_norm.rms_norm(x, None, eps, 0.0, False)[0]
-    if cast_before_weight and weight.dtype.is_floating_point and x.dtype.is_floating_point:
+    if cast_before_weight:
         out = torch.promote_types(x.dtype, weight.dtype)
         if out != x.dtype:
-            # The product is wider than x: normalize in one kernel, multiply in the wider dtype.
-            _rms_norm.check("rms_norm", x, weight, cast_before_weight=False)
+            # The product is wider than x: normalize in one kernel, multiply in the wider dtype
+            # (which checks the weight's device as eager's product does).
             xhat = _rms_norm.rms_norm(x, None, eps, 0.0, False)[0]
             scale = weight.to(out) + offset if offset != 0 else weight.to(out)
             return xhat.to(out) * scale
     return _rms_norm.rms_norm(x, weight, eps, offset, cast_before_weight)[0]
+
+
+def _lce_bias_fits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether the fused kernels take ``bias``: none, or ``(V,)`` of ``hidden``'s dtype."""
+    return bias is None or (bias.dtype == hidden.dtype and bias.shape == weight.shape[:1])
+
+
+def _rms_norm_kernel_takes(x: Tensor, weight: Tensor | None) -> bool:
+    """Whether the RMSNorm kernels take the call: a real floating ``x`` with at least one
+    dimension, and no weight or a real floating one of ``x``'s last size."""
+    if x.dtype not in _FLOATS or x.dim() == 0:
+        return False
+    return weight is None or (weight.dtype in _FLOATS and weight.shape == x.shape[-1:])

@@ -84,14 +84,19 @@ impl DType {
         matches!(self, DType::F16 | DType::F32 | DType::F64 | DType::BF16)
     }
 
-    /// Size of one element in bytes, for the types kernels handle.
+    /// Size of one element in bytes, for the byte-sized and wider types (not the quantized,
+    /// bit and sub-byte ones).
     pub fn size(self) -> Option<usize> {
-        match self {
-            DType::U8 | DType::I8 | DType::BOOL => Some(1),
-            DType::I16 | DType::F16 | DType::BF16 => Some(2),
-            DType::I32 | DType::F32 => Some(4),
-            DType::I64 | DType::F64 | DType::COMPLEX64 => Some(8),
-            DType::COMPLEX128 => Some(16),
+        match self.0 {
+            // Byte, Char, Bool, the float8 types.
+            0 | 1 | 11 | 23..=26 | 44 => Some(1),
+            // Short, Half, BFloat16, UInt16.
+            2 | 5 | 15 | 27 => Some(2),
+            // Int, Float, ComplexHalf, UInt32.
+            3 | 6 | 8 | 28 => Some(4),
+            // Long, Double, ComplexFloat, UInt64.
+            4 | 7 | 9 | 29 => Some(8),
+            10 => Some(16),
             _ => None,
         }
     }

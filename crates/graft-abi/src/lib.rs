@@ -11,6 +11,8 @@
 //! - [`dispatch::call`]: calling other operators through the dispatcher; [`aten`]: the few
 //!   ATen functions it cannot reach (schemas with `Scalar`s).
 //! - [`parallel`]: torch's intra-op thread pool; [`cuda`]: current stream and device guard.
+//! - [`operands`]: the checks every kernel entry makes of its tensor operands (devices, dtypes,
+//!   sizes, layouts, shared memory) before it touches their data.
 
 pub mod aten;
 pub mod cuda;
@@ -19,6 +21,7 @@ mod dtype;
 mod error;
 mod kernel;
 mod library;
+pub mod operands;
 pub mod parallel;
 mod stack;
 pub mod sys;
@@ -28,6 +31,7 @@ pub use dtype::{DType, Device, DeviceType, Element};
 pub use error::{Error, Result};
 pub use kernel::{panic_message, Kernel};
 pub use library::Library;
+pub use operands::{Checked, Operands};
 pub use stack::{CallArgs, CallOutputs, FromStable, IntoStable, KernelArgs, KernelOutputs};
 pub use tensor::{contiguous_strides, in_place_views, is_dense, NewTensor, Tensor};
 

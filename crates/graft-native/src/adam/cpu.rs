@@ -5,12 +5,13 @@
 //! through a contiguous copy that is written back afterwards (counted as a fallback).
 
 use graft_abi::{
-    contiguous_strides, in_place_views, DType, Device, Element, Kernel, Result, Tensor,
+    contiguous_strides, in_place_views, DType, DeviceType, Element, Kernel, Operands, Result,
+    Tensor,
 };
 use graft_kernels::adam::{self, AdamFloat, Buffers};
 use half::{bf16, f16};
 
-use super::{check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};
+use super::{counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;
 use crate::threads::TorchPool;
 
@@ -66,32 +67,30 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cpu> {
     }
 }
 
-/// The element type ATen dispatches on (the parameter's), with its error for the others.
-fn dispatch_dtype(param: &Tensor) -> Result<DType> {
-    let dtype = param.dtype()?;
-    graft_abi::ensure!(
-        dtype.is_float(),
-        "\"fused_adam_kernel\" not implemented for '{dtype}'"
-    );
-    Ok(dtype)
+/// Checks the tensors of parameter `i` (all written, on the CPU, of the parameter's floating
+/// dtype and number of elements, none sharing memory with another) and returns their dtype.
+fn check_group(call: &Call, i: usize) -> Result<DType> {
+    let param = &call.params[i];
+    let n = param.numel()? as i64;
+    let mut operands = Operands::new("fused_adam", DeviceType::CPU)
+        .written("params", param)
+        .float()
+        .message("\"fused_adam_kernel\" not implemented for '{got}'");
+    for (name, t) in call.moments(i) {
+        operands = operands
+            .written(name, t)
+            .dtype_like("params")
+            .message("expected scalar type {want} but found {got}")
+            .numel(n)
+            .message("{name} has {got} elements but params has {want}: each tensor must have the size of its parameter");
+    }
+    Ok(operands.check()?.dtype)
 }
 
 /// Steps parameter `i`; true when it went through contiguous copies.
 fn step_one(call: &mut Call, i: usize, hyper: &adam::Hyper) -> Result<bool> {
     let amsgrad = call.amsgrad;
-    {
-        let mut group = vec![
-            ("params", &call.params[i]),
-            ("grads", &call.grads[i]),
-            ("exp_avgs", &call.exp_avgs[i]),
-            ("exp_avg_sqs", &call.exp_avg_sqs[i]),
-        ];
-        if amsgrad {
-            group.push(("max_exp_avg_sqs", &call.max_exp_avg_sqs[i]));
-        }
-        check_numel(i, &group)?;
-    }
-    let dtype = dispatch_dtype(&call.params[i])?;
+    let dtype = check_group(call, i)?;
     let step = f64::from(item(&call.state_steps[i])? as f32);
     if call.params[i].numel()? == 0 {
         return Ok(false);
@@ -104,19 +103,6 @@ fn step_one(call: &mut Call, i: usize, hyper: &adam::Hyper) -> Result<bool> {
     ];
     if amsgrad {
         group.push(&mut call.max_exp_avg_sqs[i]);
-    }
-    for t in &group {
-        let found = t.dtype()?;
-        graft_abi::ensure!(
-            found == dtype,
-            "expected scalar type {dtype} but found {found}"
-        );
-        graft_abi::ensure!(
-            t.device()? == Device::CPU,
-            "Expected all tensors to be on the same device, but found at least two devices, cpu \
-             and {}!",
-            t.device()?
-        );
     }
     // Dense tensors sharing the parameter's layout are stepped in memory order, as ATen does;
     // any other layout through contiguous copies (in logical order).

@@ -6,11 +6,11 @@
 //! `float32` tensors on that device are converted first (ATen would read them as floats).
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{ensure, is_dense, DType, Device, Kernel, Result, Tensor};
+use graft_abi::{ensure, DType, Device, DeviceType, Kernel, Operands, Result, Tensor};
 use graft_cuda::{AdamMode, AdamStep, AdamTensor};
 use graft_kernels::adam::Mode;
 
-use super::{counters, float_arg, has_layout, item, Call, Lr, LrArg, Step, Variant};
+use super::{counters, float_arg, item, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;
 
 /// Calls of `aten::_fused_adam_` at CUDA.
@@ -46,6 +46,35 @@ fn ptr(t: &Tensor) -> Result<u64> {
     Ok(t.data_ptr()? as u64)
 }
 
+/// ATen's message for a `float` tensor argument of another dtype.
+const FLOAT_ARG: &str = "expected scalar type Float but found {got}";
+
+/// Checks the tensors of parameter `i`, all written: on the first parameter's device, of its
+/// dtype, with parameter `i`'s layout (dense: the kernel reads them in memory order), none
+/// sharing memory with another. The metadata of each is read once: with thousands of small
+/// tensors the calls into torch, not the kernel, set the step's time.
+fn check_group(call: &Call, i: usize, first: &Tensor, message: &str) -> Result<()> {
+    let mut operands = Operands::new("fused_adam", DeviceType::CUDA)
+        .tensor("first", first)
+        .written("params", &call.params[i])
+        .device_message(message)
+        .dtype_like("first")
+        .message(message)
+        .dense()
+        .message(message);
+    for (name, t) in call.moments(i) {
+        operands = operands
+            .written(name, t)
+            .device_message(message)
+            .dtype_like("first")
+            .message(message)
+            .layout_like("params")
+            .message(message);
+    }
+    operands.check()?;
+    Ok(())
+}
+
 impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
     type Args = super::Args<L>;
     type Outputs = ();
@@ -58,6 +87,18 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
         let Some(first) = call.params.first() else {
             return Ok(());
         };
+        Operands::new("fused_adam", DeviceType::CUDA)
+            .tensor("params", first)
+            .optional("grad_scale", call.grad_scale.as_ref())
+            .device_message("grad_scale must be on the same GPU device as the params")
+            .dtype(DType::F32)
+            .message(FLOAT_ARG)
+            .optional("found_inf", call.found_inf.as_ref())
+            .device_message("found_inf must be on the same GPU device as the params")
+            .dtype(DType::F32)
+            .message(FLOAT_ARG)
+            .check()?;
+
         let device = first.device()?;
         let dtype = first.dtype()?;
         let kdtype = kernel_dtype(dtype)?;
@@ -76,19 +117,6 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
                 (0.0, Some(t))
             }
         };
-        for (name, t) in [
-            ("grad_scale", &call.grad_scale),
-            ("found_inf", &call.found_inf),
-        ] {
-            if let Some(t) = t {
-                ensure!(
-                    t.device()? == device,
-                    "{name} must be on the same GPU device as the params"
-                );
-                float_arg(t)?;
-            }
-        }
-
         let layout_message = if call.amsgrad {
             "params, grads, exp_avgs, exp_avg_sqs, and max_exp_avg_sqs must have same dtype, \
              device, and layout"
@@ -98,22 +126,9 @@ impl<V: Variant, L: LrArg> Kernel for Step<V, L, Cuda> {
         let mut converted_steps = Vec::new();
         let mut tensors = Vec::with_capacity(call.params.len());
         for i in 0..call.params.len() {
-            // Each tensor's metadata is read once: with thousands of small tensors the calls
-            // into torch, not the kernel, set the step's time.
+            check_group(&call, i, first, layout_message)?;
             let param = &call.params[i];
-            let (sizes, strides) = (param.sizes()?, param.strides()?);
-            let mut ok =
-                param.device()? == device && param.dtype()? == dtype && is_dense(sizes, strides);
-            let moments = [&call.grads[i], &call.exp_avgs[i], &call.exp_avg_sqs[i]];
-            let max = call.amsgrad.then(|| &call.max_exp_avg_sqs[i]);
-            for t in moments.into_iter().chain(max) {
-                // Same sizes (so the same numel) and strides as the parameter: dense too.
-                ok = ok
-                    && t.device()? == device
-                    && t.dtype()? == dtype
-                    && has_layout(t, sizes, strides)?;
-            }
-            ensure!(ok, "{layout_message}");
+            let sizes = param.sizes()?;
             let numel = sizes.iter().product::<i64>() as u64;
             if numel == 0 {
                 continue;

@@ -158,6 +158,22 @@ impl Call {
         )
     }
 
+    /// The tensors parameter `i`'s step updates besides the parameter, by list name: its grad,
+    /// moments and (with amsgrad) maximum of the second moments.
+    pub fn moments(&self, i: usize) -> impl Iterator<Item = (&'static str, &Tensor)> {
+        let lists = [
+            ("grads", &self.grads),
+            ("exp_avgs", &self.exp_avgs),
+            ("exp_avg_sqs", &self.exp_avg_sqs),
+            ("max_exp_avg_sqs", &self.max_exp_avg_sqs),
+        ];
+        let n = if self.amsgrad { 4 } else { 3 };
+        lists
+            .into_iter()
+            .take(n)
+            .map(move |(name, l)| (name, &l[i]))
+    }
+
     /// The step's constants for the kernels of `graft_kernels::adam`, with the lr given.
     pub fn hyper(
         &self,
@@ -176,21 +192,6 @@ impl Call {
             grad_scale,
         }
     }
-}
-
-/// Checks that every tensor of `group` (the i-th of each list) has as many elements as the
-/// parameter: ATen reads them as flat arrays of the parameter's length.
-pub fn check_numel(i: usize, group: &[(&str, &Tensor)]) -> Result<()> {
-    let n = group[0].1.numel()?;
-    for (name, t) in &group[1..] {
-        let m = t.numel()?;
-        ensure!(
-            m == n,
-            "{name}[{i}] has {m} elements but params[{i}] has {n}: each tensor must have the size \
-             of its parameter"
-        );
-    }
-    Ok(())
 }
 
 /// Same sizes, and same strides where the size is not 1 (ATen's layout check of the lists).

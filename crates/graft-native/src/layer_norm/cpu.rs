@@ -4,13 +4,13 @@
 //! bfloat16/float16 input ("mixed dtype"); mean and rstd in the parameters' dtype (so bfloat16
 //! for a bfloat16 input with bfloat16 parameters); the errors in ATen's order.
 
-use graft_abi::{DType, Device, Element, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{DType, Device, DeviceType, Element, Kernel, NewTensor, Result, Tensor};
 use graft_kernels::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat, Stats};
 use half::{bf16, f16};
 
 use super::{
-    check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter, not_implemented,
-    stat_sizes, BackwardArgs, ForwardArgs,
+    check_devices, check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter,
+    not_implemented, stat_sizes, BackwardArgs, ForwardArgs, Saved,
 };
 use crate::rms_norm::{contiguous, to_dtype};
 use crate::stats::Counters;
@@ -43,6 +43,16 @@ fn param_dtype(input: DType, params: [Option<&Tensor>; 2]) -> Result<DType> {
     Ok(DType::F32)
 }
 
+/// The parameters' dtype of ATen's CPU backward kernel: a weight of another dtype than the input
+/// makes the call mixed (a float32 weight, mean and rstd under a bfloat16/float16 input); the
+/// bias is read only through its gradient.
+fn backward_param_dtype(input: DType, weight: Option<&Tensor>) -> Result<DType> {
+    match weight {
+        Some(w) if w.dtype()? != input => param_dtype(input, [Some(w), None]),
+        _ => Ok(input),
+    }
+}
+
 /// A parameter's values in the accumulation type of inputs of type `T`.
 fn acc_values<T: NormFloat>(p: Option<&Tensor>) -> Result<Option<Vec<T::Acc>>>
 where
@@ -68,6 +78,12 @@ impl Kernel for ForwardCpu {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         FORWARD.call();
         let (weight, bias) = (Tensor::defined(weight)?, Tensor::defined(bias)?);
+        check_devices(
+            DeviceType::CPU,
+            &input,
+            (weight.as_ref(), bias.as_ref()),
+            None,
+        )?;
         let dtype = input.dtype()?;
         let params = [weight.as_ref(), bias.as_ref()];
         let param = param_dtype(dtype, params)?;
@@ -175,10 +191,16 @@ impl Kernel for BackwardCpu {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         BACKWARD.call();
         let (weight, bias) = (Tensor::defined(weight)?, Tensor::defined(bias)?);
+        let saved = Saved {
+            grad_out: &grad_out,
+            mean: &mean,
+            rstd: &rstd,
+        };
+        let params = (weight.as_ref(), bias.as_ref());
+        check_devices(DeviceType::CPU, &input, params, Some(saved))?;
         let mask = mask3(&output_mask)?;
         let dtype = input.dtype()?;
         let params = [weight.as_ref(), bias.as_ref()];
-        let param = param_dtype(dtype, params)?;
         let (rows, cols) = check_inputs(&input, &normalized_shape, params[0], params[1])?;
         // The gradients of absent parameters cannot be allocated (ATen's error).
         for (want, p) in [(mask[1], params[0]), (mask[2], params[1])] {
@@ -187,13 +209,19 @@ impl Kernel for BackwardCpu {
             }
         }
         let grads_wanted = rows > 0 && cols > 0;
-        if grads_wanted {
+        if rows > 0 {
+            // ATen checks dtypes in its kernel, which it runs for any rows (of any length).
             if !dtype.is_float() {
                 return Err(not_implemented("LayerNormBackwardKernelImpl", dtype));
             }
+            let param = backward_param_dtype(dtype, params[0])?;
             expect_dtype(dtype, grad_out.dtype()?)?;
             expect_dtype(param, mean.dtype()?)?;
             expect_dtype(param, rstd.dtype()?)?;
+            if let (true, Some(b)) = (mask[2], params[1]) {
+                // db is allocated like the bias and written as the parameters' dtype.
+                expect_dtype(param, b.dtype()?)?;
+            }
             // Beyond ATen (which reads them with input's geometry): sizes that fit.
             graft_abi::ensure!(
                 grad_out.sizes()? == input.sizes()?,

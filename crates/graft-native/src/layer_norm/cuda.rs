@@ -6,12 +6,12 @@
 //! an empty batch.
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{DType, Device, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{DType, DeviceType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{LayerNormBackward, LayerNormForward};
 
 use super::{
-    check_device, check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter,
-    not_implemented, stat_sizes, BackwardArgs, ForwardArgs,
+    check_devices, check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter,
+    not_implemented, stat_sizes, BackwardArgs, ForwardArgs, Saved,
 };
 use crate::rms_norm::{acc_dtype, contiguous};
 use crate::stats::Counters;
@@ -39,13 +39,12 @@ fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
 }
 
 /// A parameter as the kernels read it: contiguous, of the input's dtype (ATen's message
-/// otherwise), on the input's device; 0 when absent.
-fn param(p: Option<&Tensor>, dtype: DType, device: Device) -> Result<(Option<Tensor>, u64)> {
+/// otherwise); 0 when absent.
+fn param(p: Option<&Tensor>, dtype: DType) -> Result<(Option<Tensor>, u64)> {
     match p {
         None => Ok((None, 0)),
         Some(p) => {
             expect_dtype(dtype, p.dtype()?)?;
-            check_device(p, device)?;
             let p = contiguous(p)?;
             let at = ptr(&p)?;
             Ok((Some(p), at))
@@ -65,6 +64,12 @@ impl Kernel for ForwardCuda {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         FORWARD.call();
         let (weight, bias) = (Tensor::defined(weight)?, Tensor::defined(bias)?);
+        check_devices(
+            DeviceType::CUDA,
+            &input,
+            (weight.as_ref(), bias.as_ref()),
+            None,
+        )?;
         let (rows, cols) = check_inputs(&input, &normalized_shape, weight.as_ref(), bias.as_ref())?;
         let device = input.device()?;
         let _guard = DeviceGuard::new(device.index)?;
@@ -81,8 +86,8 @@ impl Kernel for ForwardCuda {
         if !dtype.is_float() {
             return Err(not_implemented("LayerNormKernelImpl", dtype));
         }
-        let (_w, w) = param(weight.as_ref(), dtype, device)?;
-        let (_b, b) = param(bias.as_ref(), dtype, device)?;
+        let (_w, w) = param(weight.as_ref(), dtype)?;
+        let (_b, b) = param(bias.as_ref(), dtype)?;
         if cols == 0 {
             // The statistics of empty rows: mean 0, rstd NaN (0 / 0 variance).
             let mean = filled(&stat, acc, device, 0.0)?;
@@ -123,6 +128,13 @@ impl Kernel for BackwardCuda {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         BACKWARD.call();
         let (weight, bias) = (Tensor::defined(weight)?, Tensor::defined(bias)?);
+        let saved = Saved {
+            grad_out: &grad_out,
+            mean: &mean,
+            rstd: &rstd,
+        };
+        let params = (weight.as_ref(), bias.as_ref());
+        check_devices(DeviceType::CUDA, &input, params, Some(saved))?;
         let mask = mask3(&output_mask)?;
         let (rows, cols) = check_inputs(&input, &normalized_shape, weight.as_ref(), bias.as_ref())?;
         for (want, p) in [(mask[1], &weight), (mask[2], &bias)] {
@@ -159,9 +171,6 @@ impl Kernel for BackwardCuda {
             expect_dtype(dtype, grad_out.dtype()?)?;
             expect_dtype(acc, mean.dtype()?)?;
             expect_dtype(acc, rstd.dtype()?)?;
-            for t in [&grad_out, &mean, &rstd] {
-                check_device(t, device)?;
-            }
             graft_abi::ensure!(
                 grad_out.sizes()? == sizes,
                 "grad_out of size {:?} does not match input of size {:?}",
@@ -175,7 +184,7 @@ impl Kernel for BackwardCuda {
                     t.numel()?
                 );
             }
-            let (_w, w) = param(weight.as_ref(), dtype, device)?;
+            let (_w, w) = param(weight.as_ref(), dtype)?;
             if let Some(b) = &bias {
                 expect_dtype(dtype, b.dtype()?)?;
             }

@@ -9,7 +9,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use graft_abi::{ensure, DType, Device, NewTensor, Result, Tensor};
+use graft_abi::{ensure, DType, Device, DeviceType, NewTensor, Operands, Result, Tensor};
 
 use crate::layout::rstd_sizes;
 
@@ -73,14 +73,30 @@ pub fn check_inputs(
     Ok((product(&sizes[..batch]), product(&sizes[batch..])))
 }
 
-/// Checks that `t` is on `device` (ATen's message for tensors on two devices).
-pub fn check_device(t: &Tensor, device: Device) -> Result<()> {
-    let d = t.device()?;
-    ensure!(
-        d == device,
-        "Expected all tensors to be on the same device, but found at least two devices, \
-         {device} and {d}!"
-    );
+/// The backward's extra operands: the output gradient and the forward's statistics.
+pub struct Saved<'a> {
+    pub grad_out: &'a Tensor,
+    pub mean: &'a Tensor,
+    pub rstd: &'a Tensor,
+}
+
+/// Checks that every operand is on one device, of the kernel's type (ATen's message for
+/// tensors on two devices). Dtypes and sizes are checked where ATen checks them, in its order
+/// ([`check_inputs`] and the kernels).
+pub fn check_devices(
+    kernel: DeviceType,
+    input: &Tensor,
+    (weight, bias): (Option<&Tensor>, Option<&Tensor>),
+    saved: Option<Saved<'_>>,
+) -> Result<()> {
+    Operands::new("layer_norm", kernel)
+        .tensor("input", input)
+        .optional("weight", weight)
+        .optional("bias", bias)
+        .optional("grad_out", saved.as_ref().map(|s| s.grad_out))
+        .optional("mean", saved.as_ref().map(|s| s.mean))
+        .optional("rstd", saved.as_ref().map(|s| s.rstd))
+        .check()?;
     Ok(())
 }
 

@@ -12,12 +12,13 @@
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{
     contiguous_strides, ensure, in_place_views, DType, Device, DeviceType, Element, Error, Kernel,
-    NewTensor, Result, Tensor,
+    NewTensor, Operands, Result, Tensor,
 };
 use graft_kernels::cross_entropy::{self as ce, BadTarget, CeMath, Options, Scale};
 use graft_kernels::{Acc, Float};
 use half::{bf16, f16};
 
+use crate::rms_norm::cuda::filled;
 use crate::rms_norm::{contiguous, to_dtype};
 use crate::stats::Counters;
 use crate::threads::TorchPool;
@@ -93,54 +94,56 @@ pub(crate) fn acc_dtype(dtype: DType) -> DType {
     }
 }
 
-fn is_supported(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+/// The device type a kernel of this device flag computes on.
+pub(crate) fn kernel_device(cuda: bool) -> DeviceType {
+    if cuda {
+        DeviceType::CUDA
+    } else {
+        DeviceType::CPU
+    }
 }
 
-/// Checks what ATen checks for `cross_entropy((N, V) logits, (N,) target)`; returns `(N, V)`.
-pub(crate) fn check_logits(op: &str, logits: &Tensor, target: &Tensor) -> Result<(usize, usize)> {
-    let dtype = logits.dtype()?;
-    ensure!(
-        is_supported(dtype),
-        "\"{op}\" not implemented for '{}'",
-        dtype.name()
-    );
+/// Checks `(N, V)` logits (written by the in-place op, which needs them contiguous) and their
+/// `(N,)` target as ATen checks `cross_entropy`'s; returns `(N, V)`.
+pub(crate) fn check_logits(
+    op: &str,
+    kernel: DeviceType,
+    logits: &Tensor,
+    target: &Tensor,
+    in_place: bool,
+) -> Result<(usize, usize)> {
     let sizes = logits.sizes()?;
-    ensure!(
-        sizes.len() == 2,
-        "{op}: expected 2-D logits (N, V), got {} dimensions",
-        sizes.len()
-    );
-    check_target(op, target, sizes[0], logits.device()?)?;
+    let rows = if sizes.len() == 2 { sizes[0] } else { 0 };
+    let operands = if in_place {
+        Operands::new(op, kernel)
+            .written("logits", logits)
+            .contiguous()
+            .message("{op}: the logits must be contiguous to take the gradient in place")
+    } else {
+        Operands::new(op, kernel).tensor("logits", logits)
+    };
+    let operands = operands
+        .float()
+        .dims(2)
+        .message("{op}: expected 2-D logits (N, V), got {got} dimensions");
+    with_target(operands, target, rows).check()?;
     Ok((sizes[0] as usize, sizes[1] as usize))
 }
 
-/// Checks a `(rows,)` int64 target on `device`.
-pub(crate) fn check_target(op: &str, target: &Tensor, rows: i64, device: Device) -> Result<()> {
-    let tdt = target.dtype()?;
-    ensure!(
-        tdt == DType::I64,
-        "expected target dtype to be Long or Byte, but got {}",
-        tdt.name()
-    );
-    let ts = target.sizes()?;
-    ensure!(
-        ts.len() == 1,
-        "{op}: expected a 1-D target, got {} dimensions",
-        ts.len()
-    );
-    ensure!(
-        ts[0] == rows,
-        "Expected input batch_size ({rows}) to match target batch_size ({}).",
-        ts[0]
-    );
-    let td = target.device()?;
-    ensure!(
-        td == device,
-        "Expected all tensors to be on the same device, but found at least two devices, \
-         {device} and {td}!"
-    );
-    Ok(())
+/// `operands` and a `(rows,)` int64 target on the call's device, with ATen's messages.
+pub(crate) fn with_target<'a>(
+    operands: Operands<'a>,
+    target: &'a Tensor,
+    rows: i64,
+) -> Operands<'a> {
+    operands
+        .tensor("target", target)
+        .dtype(DType::I64)
+        .message("expected target dtype to be Long or Byte, but got {got}")
+        .dims(1)
+        .message("{op}: expected a 1-D target, got {got} dimensions")
+        .size(0, rows)
+        .message("Expected input batch_size ({want}) to match target batch_size ({got}).")
 }
 
 fn bad_target(e: BadTarget) -> Error {
@@ -196,7 +199,7 @@ pub(crate) fn rows_cpu<T>(
 {
     if cols == 0 {
         // Only possible when every row is ignored (targets were checked).
-        loss_rows.fill(T::Acc::ZERO);
+        loss_rows.fill(T::Acc::from_f64(empty_row_loss(loss)));
         return;
     }
     let o = loss.options(cols);
@@ -218,6 +221,25 @@ pub(crate) fn rows_cpu<T>(
         }
         CpuRows::InPlace(x) => ce::forward_in_place(x, target, &o, loss_rows, scale, &TorchPool),
     }
+}
+
+/// The loss of a row of no classes (ignored, as every such row must be): 0, or with label
+/// smoothing NaN, as ATen divides the smoothing term by the number of classes.
+pub(crate) fn empty_row_loss(loss: &Loss) -> f64 {
+    if loss.smoothing > 0.0 {
+        f64::NAN
+    } else {
+        0.0
+    }
+}
+
+/// The reduced loss `out` of a call over `cols` classes: with no classes and label smoothing
+/// NaN whatever the rows (ATen multiplies the smoothing term by `smoothing / 0`).
+fn without_classes(out: Tensor, loss: &Loss, cols: usize) -> Result<Tensor> {
+    if cols > 0 || loss.smoothing <= 0.0 || loss.reduction == Reduction::None {
+        return Ok(out);
+    }
+    filled(&[], out.dtype()?, out.device()?, f64::NAN)
 }
 
 /// Checks the targets of a CPU call; returns the rows not ignored.
@@ -271,10 +293,8 @@ where
         loss_rows.as_mut_slice()?,
         (grad_scale(loss.reduction, valid), None),
     );
-    Ok((
-        reduce_cpu::<T::Acc>(loss_rows, loss.reduction, valid)?,
-        grad.finish(),
-    ))
+    let out = reduce_cpu::<T::Acc>(loss_rows, loss.reduction, valid)?;
+    Ok((without_classes(out, loss, cols)?, grad.finish()))
 }
 
 /// A new contiguous copy of `t`: memory no other argument can share (for the small read-only
@@ -305,7 +325,8 @@ where
         loss_rows.as_mut_slice()?,
         (grad_scale(loss.reduction, valid), None),
     );
-    reduce_cpu::<T::Acc>(loss_rows, loss.reduction, valid)
+    let out = reduce_cpu::<T::Acc>(loss_rows, loss.reduction, valid)?;
+    without_classes(out, loss, cols)
 }
 
 // ----------------------------------------------------------------------------------- CUDA
@@ -460,7 +481,17 @@ fn forward_cuda(
         CudaGradMode::New => Some(ptr(g.as_ref().expect("allocated"))?),
         CudaGradMode::None => None,
     };
-    let loss_rows = NewTensor::empty(&[rows as i64], acc_dtype(dtype), device)?.finish();
+    let loss_rows = if cols == 0 {
+        // The rows kernel does not run: the losses of rows of no classes.
+        filled(
+            &[rows as i64],
+            acc_dtype(dtype),
+            device,
+            empty_row_loss(loss),
+        )?
+    } else {
+        NewTensor::empty(&[rows as i64], acc_dtype(dtype), device)?.finish()
+    };
     rows_cuda(
         &call,
         &CudaRows {
@@ -480,7 +511,7 @@ fn forward_cuda(
         },
         loss,
     )?;
-    let out = call.reduce(loss_rows, loss.reduction, &count)?;
+    let out = without_classes(call.reduce(loss_rows, loss.reduction, &count)?, loss, cols)?;
     let g = match g {
         Some(g) => g,
         None => Tensor::undefined()?,
@@ -497,16 +528,31 @@ enum CudaGradMode {
 
 // ------------------------------------------------------------------------ gradient scaling
 
-/// Checks `grad_output` against `grad` for [`scale_grad`]: 0-dim (one factor), or `(rows,)`
-/// for a gradient of `rows` rows (one factor per row). Returns whether it is per row, and the
-/// factors converted to `grad`'s accumulation dtype.
-fn check_scale(op: &str, grad: &Tensor, grad_output: &Tensor) -> Result<(bool, Tensor)> {
-    let dtype = grad.dtype()?;
-    ensure!(
-        is_supported(dtype),
-        "\"{op}\" not implemented for '{}'",
-        dtype.name()
-    );
+/// Checks `grad` (written by the in-place op, which needs it contiguous) and `grad_output`
+/// for [`scale_grad`]: 0-dim (one factor), or `(rows,)` for a gradient of `rows` rows (one
+/// factor per row). Returns whether it is per row, and the factors converted to `grad`'s
+/// accumulation dtype.
+fn check_scale(
+    op: &str,
+    kernel: DeviceType,
+    grad: &Tensor,
+    grad_output: &Tensor,
+    in_place: bool,
+) -> Result<(bool, Tensor)> {
+    let operands = if in_place {
+        Operands::new(op, kernel)
+            .written("grad", grad)
+            .contiguous()
+            .message("{op}: the gradient must be contiguous")
+    } else {
+        Operands::new(op, kernel).tensor("grad", grad)
+    };
+    let dtype = operands
+        .float()
+        .tensor("grad_output", grad_output)
+        .float()
+        .check()?
+        .dtype;
     let gs = grad.sizes()?;
     let os = grad_output.sizes()?;
     let per_row = match os.len() {
@@ -519,12 +565,6 @@ fn check_scale(op: &str, grad: &Tensor, grad_output: &Tensor) -> Result<(bool, T
             )))
         }
     };
-    let (gd, od) = (grad.device()?, grad_output.device()?);
-    ensure!(
-        gd == od,
-        "Expected all tensors to be on the same device, but found at least two devices, {gd} \
-         and {od}!"
-    );
     // A private copy (a scalar or one value per row): it cannot share memory with `grad`.
     let factors = private_copy(&to_dtype(grad_output, acc_dtype(dtype))?)?;
     Ok((per_row, factors))
@@ -595,8 +635,8 @@ fn scale_cuda(src: &Tensor, dst: &Tensor, factors: &Tensor, per_row: bool) -> Re
 }
 
 /// `grad * grad_output` as a new tensor.
-fn scale_grad(grad: &Tensor, grad_output: &Tensor) -> Result<Tensor> {
-    let (per_row, factors) = check_scale("scale_grad", grad, grad_output)?;
+fn scale_grad(kernel: DeviceType, grad: &Tensor, grad_output: &Tensor) -> Result<Tensor> {
+    let (per_row, factors) = check_scale("scale_grad", kernel, grad, grad_output, false)?;
     let g = contiguous(grad)?;
     let (dtype, device) = (g.dtype()?, g.device()?);
     let mut out = NewTensor::empty(g.sizes()?, dtype, device)?;
@@ -621,12 +661,8 @@ fn scale_grad(grad: &Tensor, grad_output: &Tensor) -> Result<Tensor> {
 }
 
 /// `grad *= grad_output` in place; elements whose factor is exactly 1 are not touched.
-fn scale_grad_(mut grad: Tensor, grad_output: &Tensor) -> Result<()> {
-    let (per_row, factors) = check_scale("scale_grad_", &grad, grad_output)?;
-    ensure!(
-        grad.is_contiguous()?,
-        "scale_grad_: the gradient must be contiguous"
-    );
+fn scale_grad_(kernel: DeviceType, mut grad: Tensor, grad_output: &Tensor) -> Result<()> {
+    let (per_row, factors) = check_scale("scale_grad_", kernel, &grad, grad_output, true)?;
     let (dtype, device) = (grad.dtype()?, grad.device()?);
     if device.kind == DeviceType::CUDA {
         return scale_cuda(&grad, &grad, &factors, per_row);
@@ -663,15 +699,6 @@ fn forward_cpu(
     }
 }
 
-fn check_in_place(logits: &Tensor, target: &Tensor) -> Result<()> {
-    check_logits("cross_entropy_", logits, target)?;
-    ensure!(
-        logits.is_contiguous()?,
-        "cross_entropy_: the logits must be contiguous to take the gradient in place"
-    );
-    Ok(())
-}
-
 /// `torchgraft::cross_entropy` at CPU: `(loss, grad)`; `grad` is empty without `compute_grad`.
 pub struct CrossEntropyCpu;
 impl Kernel for CrossEntropyCpu {
@@ -680,7 +707,7 @@ impl Kernel for CrossEntropyCpu {
     fn run((logits, target, ignore, reduction, eps, grad): Self::Args) -> Result<Self::Outputs> {
         CROSS_ENTROPY_CPU.call();
         let loss = Loss::new("cross_entropy", ignore, reduction, eps)?;
-        check_logits("cross_entropy", &logits, &target)?;
+        check_logits("cross_entropy", DeviceType::CPU, &logits, &target, false)?;
         forward_cpu(&logits, &target, &loss, grad)
     }
 }
@@ -693,7 +720,7 @@ impl Kernel for CrossEntropyCuda {
     fn run((logits, target, ignore, reduction, eps, grad): Self::Args) -> Result<Self::Outputs> {
         CROSS_ENTROPY_CUDA.call();
         let loss = Loss::new("cross_entropy", ignore, reduction, eps)?;
-        check_logits("cross_entropy", &logits, &target)?;
+        check_logits("cross_entropy", DeviceType::CUDA, &logits, &target, false)?;
         let mode = if grad {
             CudaGradMode::New
         } else {
@@ -711,7 +738,7 @@ impl Kernel for CrossEntropyInPlaceCpu {
     fn run((mut logits, target, ignore, reduction, eps): Self::Args) -> Result<(Tensor,)> {
         CROSS_ENTROPY_INPLACE_CPU.call();
         let loss = Loss::new("cross_entropy_", ignore, reduction, eps)?;
-        check_in_place(&logits, &target)?;
+        check_logits("cross_entropy_", DeviceType::CPU, &logits, &target, true)?;
         let out = match logits.dtype()? {
             DType::F32 => inplace_cpu_typed::<f32>(&mut logits, &target, &loss),
             DType::F64 => inplace_cpu_typed::<f64>(&mut logits, &target, &loss),
@@ -731,7 +758,7 @@ impl Kernel for CrossEntropyInPlaceCuda {
     fn run((logits, target, ignore, reduction, eps): Self::Args) -> Result<(Tensor,)> {
         CROSS_ENTROPY_INPLACE_CUDA.call();
         let loss = Loss::new("cross_entropy_", ignore, reduction, eps)?;
-        check_in_place(&logits, &target)?;
+        check_logits("cross_entropy_", DeviceType::CUDA, &logits, &target, true)?;
         let (out, _) = forward_cuda(&logits, &target, &loss, CudaGradMode::InPlace)?;
         Ok((out,))
     }
@@ -748,7 +775,7 @@ impl<const CUDA: bool> Kernel for ScaleGradKernel<CUDA> {
         } else {
             SCALE_GRAD_CPU.call();
         }
-        Ok((scale_grad(&grad, &grad_output)?,))
+        Ok((scale_grad(kernel_device(CUDA), &grad, &grad_output)?,))
     }
 }
 
@@ -763,6 +790,6 @@ impl<const CUDA: bool> Kernel for ScaleGradInPlaceKernel<CUDA> {
         } else {
             SCALE_GRAD_INPLACE_CPU.call();
         }
-        scale_grad_(grad, &grad_output)
+        scale_grad_(kernel_device(CUDA), grad, &grad_output)
     }
 }

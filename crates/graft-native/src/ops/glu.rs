@@ -1,12 +1,14 @@
 //! SwiGLU and GeGLU: `torchgraft::swiglu` / `geglu` and their backward ops, on CPU (graft-kernels)
 //! and CUDA (graft-cuda).
 //!
-//! `gate` and `up` must have the same sizes, dtype (a floating type) and device; any layout is
-//! accepted (non-contiguous inputs are copied first). Outputs are contiguous.
+//! `gate` and `up` must have the same sizes, dtype (a floating type) and device ([`check`]); any
+//! layout is accepted (non-contiguous inputs are copied first). Outputs are contiguous.
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
+use graft_abi::operands::{overlap, Describe, Overlap};
 use graft_abi::{
-    ensure, in_place_views, DType, Device, Element, Kernel, NewTensor, Result, Tensor,
+    in_place_views, Checked, DType, Device, DeviceType, Element, Kernel, NewTensor, Operands,
+    Result, Tensor,
 };
 use graft_cuda::{GluActivation, GluBackward, GluForward};
 use graft_kernels::glu::{self, Activation, GluMath};
@@ -38,36 +40,47 @@ fn gelu(tanh: bool) -> Activation {
     }
 }
 
-/// Checks the inputs like the eager `act(gate) * up` would (same device, a floating dtype),
-/// and that they have one shape (no broadcasting).
-fn check(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
-    let (_, first) = tensors[0];
-    let (sizes, dtype, device) = (first.sizes()?, first.dtype()?, first.device()?);
-    ensure!(
-        dtype.is_float(),
-        "\"{op}\" not implemented for '{}'",
-        dtype.name()
-    );
-    for (name, t) in &tensors[1..] {
-        let d = t.device()?;
-        ensure!(
-            d == device,
-            "Expected all tensors to be on the same device, but found at least two devices, \
-             {device} and {d}!"
-        );
-        ensure!(
-            t.dtype()? == dtype,
-            "{op}: expected {name} to have dtype {}, got {}",
-            dtype.name(),
-            t.dtype()?.name()
-        );
-        ensure!(
-            t.sizes()? == sizes,
-            "{op}: expected {name} of size {sizes:?}, got {:?}",
-            t.sizes()?
-        );
-    }
-    Ok(())
+/// The operands of the forward (`gate`, `up`) and of the backward (and `grad`): one floating
+/// dtype, one shape (no broadcasting), one device.
+fn check(
+    op: &str,
+    kernel: DeviceType,
+    gate: &Tensor,
+    up: &Tensor,
+    grad: Option<&Tensor>,
+) -> Result<Checked> {
+    Operands::new(op, kernel)
+        .tensor("gate", gate)
+        .float()
+        .tensor("up", up)
+        .like("gate")
+        .optional("grad", grad)
+        .like("gate")
+        .check()
+}
+
+/// The in-place backward's operands: the backward's, with `gate` and `up` written (each gets
+/// its own gradient: they share no memory, and `grad` is one of them or apart from both).
+fn check_in_place(
+    op: &str,
+    kernel: DeviceType,
+    grad: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<Checked> {
+    Operands::new(op, kernel)
+        .written("gate", gate)
+        .float()
+        .written("up", up)
+        .like("gate")
+        .tensor("grad", grad)
+        .like("gate")
+        .check()
+}
+
+/// Whether `a` and `b` share no memory.
+fn apart(a: &Tensor, b: &Tensor) -> Result<bool> {
+    Ok(overlap(&a.describe()?, &b.describe()?) == Overlap::No)
 }
 
 // ------------------------------------------------------------------------------------ CPU
@@ -118,8 +131,7 @@ where
 }
 
 fn forward_cpu(op: &str, act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    check(op, &[("gate", gate), ("up", up)])?;
-    match gate.dtype()? {
+    match check(op, DeviceType::CPU, gate, up, None)?.dtype {
         DType::F32 => forward_cpu_typed::<f32>(act, gate, up),
         DType::F64 => forward_cpu_typed::<f64>(act, gate, up),
         DType::BF16 => forward_cpu_typed::<bf16>(act, gate, up),
@@ -135,8 +147,7 @@ fn backward_cpu(
     gate: &Tensor,
     up: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    check(op, &[("gate", gate), ("up", up), ("grad", grad)])?;
-    match gate.dtype()? {
+    match check(op, DeviceType::CPU, gate, up, Some(grad))?.dtype {
         DType::F32 => backward_cpu_typed::<f32>(act, grad, gate, up),
         DType::F64 => backward_cpu_typed::<f64>(act, grad, gate, up),
         DType::BF16 => backward_cpu_typed::<bf16>(act, grad, gate, up),
@@ -170,10 +181,8 @@ fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
 }
 
 fn forward_cuda(op: &str, act: GluActivation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    check(op, &[("gate", gate), ("up", up)])?;
-    let device = gate.device()?;
+    let Checked { device, dtype } = check(op, DeviceType::CUDA, gate, up, None)?;
     let _guard = DeviceGuard::new(device.index)?;
-    let dtype = gate.dtype()?;
     let (g, u) = (contiguous(gate)?, contiguous(up)?);
     let y = NewTensor::empty(gate.sizes()?, dtype, device)?.finish();
     graft_cuda::glu_forward(&GluForward {
@@ -197,10 +206,8 @@ fn backward_cuda(
     gate: &Tensor,
     up: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    check(op, &[("gate", gate), ("up", up), ("grad", grad)])?;
-    let device = gate.device()?;
+    let Checked { device, dtype } = check(op, DeviceType::CUDA, gate, up, Some(grad))?;
     let _guard = DeviceGuard::new(device.index)?;
-    let dtype = gate.dtype()?;
     let (d, g, u) = (contiguous(grad)?, contiguous(gate)?, contiguous(up)?);
     let sizes = gate.sizes()?;
     let dg = NewTensor::empty(sizes, dtype, device)?.finish();
@@ -221,37 +228,6 @@ fn backward_cuda(
     Ok((dg, du))
 }
 
-/// The bytes a contiguous tensor's elements occupy, `[start, end)`.
-fn byte_range(t: &Tensor) -> Result<(u64, u64)> {
-    let start = t.data_ptr()? as u64;
-    let bytes = (t.numel()? * t.dtype()?.size().unwrap_or(1)) as u64;
-    Ok((start, start + bytes))
-}
-
-fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
-    a.0 < b.1 && b.0 < a.1
-}
-
-/// The in-place backward's checks: the forward's, and `gate` and `up` apart in memory (for
-/// strided views, which may interleave without sharing an element, only a shared first element
-/// is caught).
-fn check_in_place(op: &str, grad: &Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
-    check(op, &[("gate", gate), ("up", up), ("grad", grad)])?;
-    if gate.numel()? > 0 {
-        let dense = gate.is_contiguous()? && up.is_contiguous()?;
-        let shared = if dense {
-            overlap(byte_range(gate)?, byte_range(up)?)
-        } else {
-            gate.data_ptr()? == up.data_ptr()?
-        };
-        ensure!(
-            !shared,
-            "{op}: gate and up must not overlap (each receives its own gradient)"
-        );
-    }
-    Ok(())
-}
-
 /// `gate <- dgate`, `up <- dup`, computing into new tensors and copying (layouts the in-place
 /// kernels do not take).
 fn backward_by_copy(
@@ -266,7 +242,7 @@ fn backward_by_copy(
 
 /// The in-place backward on CUDA: the kernel reads each element of `gate`, `up` and `grad`
 /// before writing the same element of `gate` and `up`, so it runs over them directly when all
-/// three are contiguous and `grad` is either `gate`/`up` itself or apart from both.
+/// three are contiguous (`grad` is then `gate`, `up`, or apart from both: checked).
 fn backward_in_place_cuda(
     op: &str,
     act: GluActivation,
@@ -274,25 +250,19 @@ fn backward_in_place_cuda(
     gate: &Tensor,
     up: &Tensor,
 ) -> Result<()> {
-    check_in_place(op, grad, gate, up)?;
+    let Checked { device, dtype } = check_in_place(op, DeviceType::CUDA, grad, gate, up)?;
     let n = gate.numel()?;
     if n == 0 {
         return Ok(());
     }
-    let contiguous_all = gate.is_contiguous()? && up.is_contiguous()? && grad.is_contiguous()?;
-    let g = byte_range(grad)?;
-    let grad_apart = [byte_range(gate)?, byte_range(up)?]
-        .iter()
-        .all(|&r| r == g || !overlap(r, g));
-    if !(contiguous_all && grad_apart) {
+    if !(gate.is_contiguous()? && up.is_contiguous()? && grad.is_contiguous()?) {
         return backward_by_copy(|| backward_cuda(op, act, grad, gate, up), gate, up);
     }
-    let device = gate.device()?;
     let _guard = DeviceGuard::new(device.index)?;
     graft_cuda::glu_backward(&GluBackward {
         device: device.index,
         stream: current_stream(device.index)? as usize,
-        dtype: cuda_dtype(op, gate.dtype()?)?,
+        dtype: cuda_dtype(op, dtype)?,
         activation: act,
         gate: ptr(gate)?,
         up: ptr(up)?,
@@ -430,17 +400,13 @@ fn backward_in_place_cpu(
     mut gate: Tensor,
     mut up: Tensor,
 ) -> Result<()> {
-    check_in_place(op, grad, &gate, &up)?;
+    let dtype = check_in_place(op, DeviceType::CPU, grad, &gate, &up)?.dtype;
     let contiguous = gate.is_contiguous()? && up.is_contiguous()? && grad.is_contiguous()?;
-    let apart = gate.numel()? == 0 || {
-        let dy = byte_range(grad)?;
-        !overlap(dy, byte_range(&gate)?) && !overlap(dy, byte_range(&up)?)
-    };
-    if !(contiguous && apart) {
+    if !(contiguous && apart(grad, &gate)? && apart(grad, &up)?) {
         let backward = || backward_cpu(op, act, grad, &gate, &up);
         return backward_by_copy(backward, &gate, &up);
     }
-    match gate.dtype()? {
+    match dtype {
         DType::F32 => backward_in_place_cpu_typed::<f32>(act, grad, &mut gate, &mut up),
         DType::F64 => backward_in_place_cpu_typed::<f64>(act, grad, &mut gate, &mut up),
         DType::BF16 => backward_in_place_cpu_typed::<bf16>(act, grad, &mut gate, &mut up),

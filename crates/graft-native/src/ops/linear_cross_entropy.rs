@@ -51,14 +51,14 @@
 //! those factors.
 
 use graft_abi::{aten, dispatch, ensure, DType, Device, DeviceType, Element, Error, Kernel};
-use graft_abi::{NewTensor, Result, Tensor};
+use graft_abi::{Checked, NewTensor, Operands, Result, Tensor};
 use graft_kernels::cross_entropy::{self as ce, CeMath, Scale};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
 use super::cross_entropy::{
-    acc_dtype, check_target, count_cpu, cuda_dtype, cuda_error, grad_scale, ptr, rows_cpu,
-    rows_cuda, CpuRows, CudaCall, CudaRows, Loss, Reduction,
+    acc_dtype, count_cpu, cuda_dtype, cuda_error, grad_scale, kernel_device, ptr, rows_cpu,
+    rows_cuda, with_target, CpuRows, CudaCall, CudaRows, Loss, Reduction,
 };
 use crate::rms_norm::contiguous;
 use crate::stats::Counters;
@@ -270,26 +270,34 @@ struct Problem {
 }
 
 impl Problem {
+    /// Checks the operands as `F.linear` and `F.cross_entropy` would (one device and dtype,
+    /// shapes that multiply, a `(rows,)` int64 target; the backward's `(rows,)` upstream
+    /// gradient) and holds them contiguous.
     fn new(
         op: &str,
-        hidden: &Tensor,
-        weight: &Tensor,
-        target: &Tensor,
+        kernel: DeviceType,
+        (hidden, weight, target): (&Tensor, &Tensor, &Tensor),
         bias: Option<Tensor>,
+        grad_output: Option<&Tensor>,
     ) -> Result<Problem> {
-        let dtype = hidden.dtype()?;
-        ensure!(
-            matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16),
-            "\"{op}\" not implemented for '{}'",
-            dtype.name()
-        );
         let (hs, ws) = (hidden.sizes()?, weight.sizes()?);
-        ensure!(
-            hs.len() == 2 && ws.len() == 2,
-            "{op}: expected 2-D hidden (N, H) and weight (V, H), got {} and {} dimensions",
-            hs.len(),
-            ws.len()
-        );
+        let (rows, vocab) = (hs.first().copied(), ws.first().copied());
+        let operands = Operands::new(op, kernel)
+            .tensor("hidden", hidden)
+            .float()
+            .dims(2)
+            .message("{op}: expected 2-D hidden (N, H), got {got} dimensions")
+            .tensor("weight", weight)
+            .dtype_like("hidden")
+            .dims(2)
+            .message("{op}: expected 2-D weight (V, H), got {got} dimensions")
+            .optional("bias", bias.as_ref())
+            .dtype_like("hidden")
+            .sizes(&[vocab.unwrap_or(0)])
+            .optional("grad_output", grad_output)
+            .float()
+            .sizes(&[rows.unwrap_or(0)]);
+        let Checked { device, dtype } = with_target(operands, target, rows.unwrap_or(0)).check()?;
         ensure!(
             hs[1] == ws[1],
             "mat1 and mat2 shapes cannot be multiplied ({}x{} and {}x{})",
@@ -298,34 +306,6 @@ impl Problem {
             ws[1],
             ws[0]
         );
-        let device = hidden.device()?;
-        let mut others = vec![("weight", weight)];
-        if let Some(b) = bias.as_ref() {
-            others.push(("bias", b));
-        }
-        for (name, t) in others {
-            let (d, dt) = (t.device()?, t.dtype()?);
-            ensure!(
-                d == device,
-                "Expected all tensors to be on the same device, but found at least two \
-                 devices, {device} and {d}!"
-            );
-            ensure!(
-                dt == dtype,
-                "{op}: expected {name} to have dtype {}, got {}",
-                dtype.name(),
-                dt.name()
-            );
-        }
-        if let Some(b) = bias.as_ref() {
-            let bs = b.sizes()?;
-            ensure!(
-                bs.len() == 1 && bs[0] == ws[0],
-                "{op}: expected bias of size [{}], got {bs:?}",
-                ws[0]
-            );
-        }
-        check_target(op, target, hs[0], device)?;
         Ok(Problem {
             hidden: contiguous(hidden)?,
             weight: contiguous(weight)?,
@@ -1088,7 +1068,9 @@ fn run(
 
 /// Forward: `(loss, d_hidden, d_weight, d_bias)`, the gradients empty when not wanted (and for
 /// `none`, whose backward computes them).
+#[allow(clippy::too_many_arguments)]
 fn forward(
+    kernel: DeviceType,
     hidden: &Tensor,
     weight: &Tensor,
     target: &Tensor,
@@ -1098,7 +1080,8 @@ fn forward(
     mask: &[bool],
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
     let bias = Tensor::defined(bias)?;
-    let p = Problem::new("linear_cross_entropy", hidden, weight, target, bias)?;
+    let operands = (hidden, weight, target);
+    let p = Problem::new("linear_cross_entropy", kernel, operands, bias, None)?;
     let mut want = Wanted::from_mask(mask, p.bias.is_some())?;
     if loss.reduction == Reduction::None {
         want = Wanted {
@@ -1152,6 +1135,7 @@ fn reduce_rows_cpu(
 /// row of `d_logits`.
 #[allow(clippy::too_many_arguments)]
 fn backward(
+    kernel: DeviceType,
     grad_output: &Tensor,
     hidden: &Tensor,
     weight: &Tensor,
@@ -1163,22 +1147,10 @@ fn backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let bias = Tensor::defined(bias)?;
     let op = "linear_cross_entropy_backward";
-    let p = Problem::new(op, hidden, weight, target, bias)?;
+    let operands = (hidden, weight, target);
+    let p = Problem::new(op, kernel, operands, bias, Some(grad_output))?;
     let want = Wanted::from_mask(mask, p.bias.is_some())?;
     let acc = acc_dtype(p.dtype);
-    let gs = grad_output.sizes()?;
-    ensure!(
-        gs.len() == 1 && gs[0] as usize == p.rows,
-        "{op}: expected grad_output of size [{}], got {gs:?}",
-        p.rows
-    );
-    let go_device = grad_output.device()?;
-    ensure!(
-        go_device == p.device,
-        "Expected all tensors to be on the same device, but found at least two devices, {} \
-         and {go_device}!",
-        p.device
-    );
     let factors = contiguous(&crate::rms_norm::to_dtype(grad_output, acc)?)?;
     let loss = Loss {
         ignore_index,
@@ -1223,7 +1195,8 @@ impl<const CUDA: bool> Kernel for LinearCrossEntropyKernel<CUDA> {
         }
         let (hidden, weight, target, bias, ignore, reduction, chunk, mask) = args;
         let loss = Loss::new("linear_cross_entropy", ignore, reduction, 0.0)?;
-        forward(&hidden, &weight, &target, bias, &loss, chunk, &mask)
+        let kernel = kernel_device(CUDA);
+        forward(kernel, &hidden, &weight, &target, bias, &loss, chunk, &mask)
     }
 }
 
@@ -1251,7 +1224,10 @@ impl<const CUDA: bool> Kernel for LinearCrossEntropyBackwardKernel<CUDA> {
             LINEAR_CROSS_ENTROPY_BACKWARD_CPU.call();
         }
         let (go, hidden, weight, target, bias, ignore, chunk, mask) = args;
-        backward(&go, &hidden, &weight, &target, bias, ignore, chunk, &mask)
+        let kernel = kernel_device(CUDA);
+        backward(
+            kernel, &go, &hidden, &weight, &target, bias, ignore, chunk, &mask,
+        )
     }
 }
 

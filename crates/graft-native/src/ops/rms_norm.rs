@@ -19,7 +19,9 @@
 //! Gradients not asked for come back as empty (0-element) tensors.
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{ensure, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{
+    ensure, DType, Device, DeviceType, Element, Kernel, NewTensor, Operands, Result, Tensor,
+};
 use graft_cuda::{RmsNormForward, Weight};
 use graft_kernels::rms_norm::{self, WeightMode};
 use graft_kernels::{convert, Float};
@@ -37,12 +39,6 @@ pub static RMS_NORM_CUDA: Counters = Counters::new();
 pub static RMS_NORM_BACKWARD_CPU: Counters = Counters::new();
 pub static RMS_NORM_BACKWARD_CUDA: Counters = Counters::new();
 
-/// Formats sizes as c10 prints them: `[3, 4]`.
-fn shape(sizes: &[i64]) -> String {
-    let items: Vec<String> = sizes.iter().map(i64::to_string).collect();
-    format!("[{}]", items.join(", "))
-}
-
 /// Whether the eager `weight * xhat.to(x_dtype)` keeps `x`'s dtype (type promotion among the
 /// floating types: the wider one wins, float16 with bfloat16 gives float32).
 fn keeps_dtype(x: DType, weight: DType) -> bool {
@@ -56,16 +52,22 @@ struct Geometry {
     cols: usize,
 }
 
-/// Checks the forward's arguments as `F.rms_norm(x, [x.shape[-1]], weight)` would, plus the
-/// dtype rule of the Llama form; returns the geometry.
+/// The backward's extra operands: the output gradient and the forward's rstd.
+struct Saved<'a> {
+    grad: &'a Tensor,
+    rstd: &'a Tensor,
+}
+
+/// Checks the operands as `F.rms_norm(x, [x.shape[-1]], weight)` would, plus the dtype rule of
+/// the Llama form and, for the backward, `grad` and `rstd` against `x`; returns the geometry.
 fn check(
     op: &str,
+    kernel: DeviceType,
     x: &Tensor,
     weight: Option<&Tensor>,
     cast_before_weight: bool,
+    saved: Option<Saved<'_>>,
 ) -> Result<Geometry> {
-    let dtype = x.dtype()?;
-    ensure!(dtype.is_float(), "\"{op}\" not implemented for '{dtype}'");
     let sizes = x.sizes()?;
     let Some((&cols, batch)) = sizes.split_last() else {
         return Err(graft_abi::Error::msg(format!(
@@ -73,39 +75,49 @@ fn check(
              0-dim tensor"
         )));
     };
+    let rows = batch.iter().product::<i64>();
+    let (grad, rstd) = (
+        saved.as_ref().map(|s| s.grad),
+        saved.as_ref().map(|s| s.rstd),
+    );
+    let dtype = Operands::new(op, kernel)
+        .tensor("x", x)
+        .float()
+        .optional("weight", weight)
+        .float()
+        .sizes(&[cols])
+        .message(
+            "Expected weight to be of same shape as normalized_shape, but got weight of shape \
+             {got} and normalized_shape = {want}",
+        )
+        .optional("grad", grad)
+        .float()
+        .sizes_like("x")
+        .message("{op}: grad of size {got} does not match input of size {want}")
+        .optional("rstd", rstd)
+        .float()
+        .numel(rows)
+        .message("{op}: rstd has {got} elements, expected one per normalized row ({want})")
+        .check()?
+        .dtype;
     if let Some(w) = weight {
-        let (device, wdevice) = (x.device()?, w.device()?);
-        ensure!(
-            device == wdevice,
-            "Expected all tensors to be on the same device, but found at least two devices, \
-             {device} and {wdevice}!"
-        );
         let wdtype = w.dtype()?;
-        ensure!(wdtype.is_float(), "\"{op}\" not implemented for '{wdtype}'");
-        ensure!(
-            w.sizes()? == [cols],
-            "Expected weight to be of same shape as normalized_shape, but got weight of shape {} \
-             and normalized_shape = [{cols}]",
-            shape(w.sizes()?)
-        );
         ensure!(
             !cast_before_weight || keeps_dtype(dtype, wdtype),
             "{op}: with cast_before_weight, a {wdtype} weight times a {dtype} input is not {dtype}; \
              this op returns the input's dtype (torchgraft.functional.rms_norm computes this case)"
         );
     }
-    let product = |s: &[i64]| s.iter().map(|&v| v as usize).product::<usize>();
     Ok(Geometry {
-        rows: product(batch),
+        rows: rows as usize,
         cols: cols as usize,
     })
 }
 
-/// Checks the backward's arguments (beyond the forward's: what a direct call could get wrong).
+/// Checks the backward's arguments: the forward's, and `grad` and `rstd`.
 fn check_backward(
-    grad: &Tensor,
-    x: &Tensor,
-    rstd: &Tensor,
+    kernel: DeviceType,
+    (grad, x, rstd): (&Tensor, &Tensor, &Tensor),
     weight: Option<&Tensor>,
     cast_before_weight: bool,
     output_mask: &[bool],
@@ -116,33 +128,8 @@ fn check_backward(
         "{OP}: output_mask must hold 2 values (grad_input, grad_weight), got {}",
         output_mask.len()
     );
-    let geometry = check(OP, x, weight, cast_before_weight)?;
-    for (name, t) in [("grad", grad), ("rstd", rstd)] {
-        let (device, other) = (x.device()?, t.device()?);
-        ensure!(
-            device == other,
-            "Expected all tensors to be on the same device, but found at least two devices, \
-             {device} and {other}!"
-        );
-        let dtype = t.dtype()?;
-        ensure!(
-            dtype.is_float(),
-            "{OP}: {name} has dtype {dtype}, expected a floating dtype"
-        );
-    }
-    ensure!(
-        grad.sizes()? == x.sizes()?,
-        "{OP}: grad of size {} does not match input of size {}",
-        shape(grad.sizes()?),
-        shape(x.sizes()?)
-    );
-    ensure!(
-        rstd.numel()? == geometry.rows,
-        "{OP}: rstd has {} elements, expected one per normalized row ({})",
-        rstd.numel()?,
-        geometry.rows
-    );
-    Ok(geometry)
+    let saved = Saved { grad, rstd };
+    check(OP, kernel, x, weight, cast_before_weight, Some(saved))
 }
 
 /// rstd's sizes: `x`'s without the last dim.
@@ -393,7 +380,7 @@ impl Kernel for RmsNormCpu {
         RMS_NORM_CPU.call();
         let weight = Tensor::defined(weight)?;
         let w = weight.as_ref();
-        let g = check("rms_norm", &x, w, cast)?;
+        let g = check("rms_norm", DeviceType::CPU, &x, w, cast, None)?;
         match x.dtype()? {
             DType::F32 => forward_cpu::<f32>(&x, w, eps, mode_of(offset, cast), g),
             DType::F64 => forward_cpu::<f64>(&x, w, eps, mode_of(offset, cast), g),
@@ -412,7 +399,7 @@ impl Kernel for RmsNormBackwardCpu {
         RMS_NORM_BACKWARD_CPU.call();
         let weight = Tensor::defined(weight)?;
         let w = weight.as_ref();
-        let g = check_backward(&grad, &x, &rstd, w, cast, &mask)?;
+        let g = check_backward(DeviceType::CPU, (&grad, &x, &rstd), w, cast, &mask)?;
         let want = (mask[0], mask[1]);
         match x.dtype()? {
             DType::F32 => backward_cpu::<f32>(&grad, &x, &rstd, w, mode_of(offset, cast), want, g),
@@ -440,7 +427,14 @@ impl Kernel for RmsNormCuda {
     fn run((x, weight, eps, offset, cast): Self::Args) -> Result<(Tensor, Tensor)> {
         RMS_NORM_CUDA.call();
         let weight = Tensor::defined(weight)?;
-        let g = check("rms_norm", &x, weight.as_ref(), cast)?;
+        let g = check(
+            "rms_norm",
+            DeviceType::CUDA,
+            &x,
+            weight.as_ref(),
+            cast,
+            None,
+        )?;
         forward_cuda(&x, weight.as_ref(), eps, cuda_mode(offset, cast), g)
     }
 }
@@ -454,7 +448,7 @@ impl Kernel for RmsNormBackwardCuda {
         RMS_NORM_BACKWARD_CUDA.call();
         let weight = Tensor::defined(weight)?;
         let w = weight.as_ref();
-        let g = check_backward(&grad, &x, &rstd, w, cast, &mask)?;
+        let g = check_backward(DeviceType::CUDA, (&grad, &x, &rstd), w, cast, &mask)?;
         let mode = cuda_mode(offset, cast);
         backward_cuda(&grad, &x, &rstd, w, mode, (mask[0], mask[1]), g)
     }

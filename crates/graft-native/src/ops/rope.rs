@@ -15,8 +15,8 @@
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{
-    contiguous_strides, dispatch, ensure, is_dense, DType, Device, DeviceType, Element, Kernel,
-    NewTensor, Result, Tensor,
+    contiguous_strides, dispatch, ensure, is_dense, Checked, DType, Device, DeviceType, Element,
+    Kernel, NewTensor, Operands, Result, Tensor,
 };
 use graft_cuda::{RopeArgs, RopeOperand as CudaOperand};
 use graft_kernels::rope::{self, coalesce, RopeOperand};
@@ -320,32 +320,6 @@ impl Operand {
     }
 }
 
-/// Checks that every tensor is on one device with one floating dtype.
-fn check(op: &str, tensors: &[(&str, &Tensor)]) -> Result<(DType, Device)> {
-    let (_, first) = tensors[0];
-    let (dtype, device) = (first.dtype()?, first.device()?);
-    ensure!(
-        dtype.is_float(),
-        "\"{op}\" not implemented for '{}'",
-        dtype.name()
-    );
-    for (name, t) in &tensors[1..] {
-        let d = t.device()?;
-        ensure!(
-            d == device,
-            "Expected all tensors to be on the same device, but found at least two devices, \
-             {device} and {d}!"
-        );
-        ensure!(
-            t.dtype()? == dtype,
-            "{op}: expected {name} to have dtype {}, got {}",
-            dtype.name(),
-            t.dtype()?.name()
-        );
-    }
-    Ok((dtype, device))
-}
-
 /// A planned call: both operands and what they share.
 struct Call {
     dtype: DType,
@@ -355,8 +329,11 @@ struct Call {
 }
 
 impl Call {
+    /// Checks the operands (one device, one floating dtype; the shapes in [`Tables::new`] and
+    /// [`Operand::new`]) and plans the call.
     fn new(
         op: &str,
+        kernel: DeviceType,
         backward: bool,
         x: [&Tensor; 2],
         cos: &Tensor,
@@ -368,15 +345,16 @@ impl Call {
         } else {
             ["q", "k"]
         };
-        let (dtype, device) = check(
-            op,
-            &[
-                (names[0], x[0]),
-                (names[1], x[1]),
-                ("cos", cos),
-                ("sin", sin),
-            ],
-        )?;
+        let Checked { device, dtype } = Operands::new(op, kernel)
+            .tensor(names[0], x[0])
+            .float()
+            .tensor(names[1], x[1])
+            .dtype_like(names[0])
+            .tensor("cos", cos)
+            .dtype_like(names[0])
+            .tensor("sin", sin)
+            .dtype_like(names[0])
+            .check()?;
         let tables = Tables::new(op, cos, sin, unsqueeze_dim)?;
         let layout = if backward {
             OutLayout::HeadsInnermost
@@ -439,7 +417,7 @@ fn run_cpu(
     sin: &Tensor,
     unsqueeze_dim: i64,
 ) -> Result<(Tensor, Tensor)> {
-    let mut call = Call::new(op, backward, x, cos, sin, unsqueeze_dim)?;
+    let mut call = Call::new(op, DeviceType::CPU, backward, x, cos, sin, unsqueeze_dim)?;
     match call.dtype {
         DType::F32 => run_cpu_typed::<f32>(&mut call, backward)?,
         DType::F64 => run_cpu_typed::<f64>(&mut call, backward)?,
@@ -486,13 +464,8 @@ fn run_cuda(
     sin: &Tensor,
     unsqueeze_dim: i64,
 ) -> Result<(Tensor, Tensor)> {
-    let device = x[0].device()?;
-    ensure!(
-        device.kind == DeviceType::CUDA,
-        "{op}: expected CUDA tensors, got {device}"
-    );
-    let _guard = DeviceGuard::new(device.index)?;
-    let call = Call::new(op, backward, x, cos, sin, unsqueeze_dim)?;
+    let call = Call::new(op, DeviceType::CUDA, backward, x, cos, sin, unsqueeze_dim)?;
+    let _guard = DeviceGuard::new(call.device.index)?;
     let args = |operands: [CudaOperand; 2], o: &Operand| -> Result<RopeArgs> {
         Ok(RopeArgs {
             device: call.device.index,

@@ -149,8 +149,9 @@ impl Kernel for BackwardCpu {
     ) -> Result<(Tensor, Tensor)> {
         BACKWARD.call();
         let weight = Tensor::defined(weight)?;
+        let operands = (&grad_out, &input, &rstd);
         let (geometry, normalized_dims) =
-            check_backward_cpu(&grad_out, &input, &normalized_shape, &rstd, &output_mask)?;
+            check_backward_cpu(operands, &normalized_shape, weight.as_ref(), &output_mask)?;
         let sizes = input.sizes()?;
         let call = BackwardCall {
             grad_out: &grad_out,

@@ -6,7 +6,7 @@
 //! contiguous first), a weight of another float dtype (converted to the accumulation type).
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{DType, Device, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{DType, Device, DeviceType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{RmsNormBackward, RmsNormForward, Weight, WeightMode};
 
 use super::{
@@ -130,7 +130,8 @@ impl Kernel for ForwardCuda {
     fn run((input, normalized_shape, weight, eps): Self::Args) -> Result<(Tensor, Tensor)> {
         FORWARD.call();
         let weight = Tensor::defined(weight)?;
-        let Geometry { rows, cols } = check_forward(&input, &normalized_shape, weight.as_ref())?;
+        let Geometry { rows, cols } =
+            check_forward(DeviceType::CUDA, &input, &normalized_shape, weight.as_ref())?;
         let device = input.device()?;
         let _guard = DeviceGuard::new(device.index)?;
         let dtype = input.dtype()?;
@@ -181,10 +182,9 @@ impl Kernel for BackwardCuda {
         BACKWARD.call();
         let weight = Tensor::defined(weight)?;
         let Geometry { rows, cols } = check_backward(
-            &grad_out,
-            &input,
+            DeviceType::CUDA,
+            (&grad_out, &input, &rstd),
             &normalized_shape,
-            &rstd,
             weight.as_ref(),
             &output_mask,
         )?;

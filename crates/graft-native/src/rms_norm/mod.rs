@@ -8,7 +8,9 @@ mod composite;
 pub mod cpu;
 pub mod cuda;
 
-use graft_abi::{contiguous_strides, dispatch, ensure, DType, Result, Tensor};
+use graft_abi::{
+    contiguous_strides, dispatch, ensure, DType, DeviceType, Operands, Result, Tensor,
+};
 
 use crate::layout::{self, Shape};
 
@@ -27,59 +29,71 @@ fn shape(sizes: &[i64]) -> String {
     format!("[{}]", items.join(", "))
 }
 
-/// Checks a forward call like ATen (`_check_rms_norm_inputs`, dtype and device checks) and
-/// returns its geometry.
+/// ATen's message for a `grad_out` of other sizes than the input (beyond ATen, whose backward is
+/// normally fed by autograd: a malformed direct call fails instead of reading out of bounds).
+const GRAD_OUT_SIZE: &str = "grad_out of size {got} does not match input of size {want}";
+
+/// Checks a forward call at `kernel` like ATen (`_check_rms_norm_inputs`, dtype and device
+/// checks) and returns its geometry.
 pub fn check_forward(
+    kernel: DeviceType,
     input: &Tensor,
     normalized_shape: &[i64],
     weight: Option<&Tensor>,
 ) -> Result<Geometry> {
-    check_dtype(input.dtype()?)?;
-    if let Some(weight) = weight {
-        check_same_device(input, weight)?;
-        check_dtype(weight.dtype()?)?;
-    }
+    Operands::new("rms_norm", kernel)
+        .tensor("input", input)
+        .float()
+        .optional("weight", weight)
+        .float()
+        .check()?;
     check_shapes(input.sizes()?, normalized_shape, weight)
 }
 
-/// Checks a backward call and returns its geometry. Beyond what ATen checks (its backward is
-/// normally fed by autograd), every tensor's size is verified so that a malformed direct call
-/// fails instead of reading out of bounds.
+/// Checks a backward call at `kernel` and returns its geometry. Beyond what ATen checks (its
+/// backward is normally fed by autograd), every tensor's size is verified so that a malformed
+/// direct call fails instead of reading out of bounds.
 pub fn check_backward(
-    grad_out: &Tensor,
-    input: &Tensor,
+    kernel: DeviceType,
+    (grad_out, input, rstd): (&Tensor, &Tensor, &Tensor),
     normalized_shape: &[i64],
-    rstd: &Tensor,
     weight: Option<&Tensor>,
     output_mask: &[bool],
 ) -> Result<Geometry> {
+    check_mask(output_mask)?;
+    Operands::new("rms_norm", kernel)
+        .tensor("input", input)
+        .float()
+        .optional("weight", weight)
+        .float()
+        .tensor("grad_out", grad_out)
+        .float()
+        .sizes_like("input")
+        .message(GRAD_OUT_SIZE)
+        .tensor("rstd", rstd)
+        .float()
+        .check()?;
+    let geometry = check_shapes(input.sizes()?, normalized_shape, weight)?;
+    check_rstd(rstd, geometry)?;
+    Ok(geometry)
+}
+
+fn check_mask(output_mask: &[bool]) -> Result<()> {
     ensure!(
         output_mask.len() == 2,
         "output_mask must hold 2 values (grad_input, grad_weight), got {}",
         output_mask.len()
     );
-    let geometry = check_forward(input, normalized_shape, weight)?;
-    check_same_device(input, grad_out)?;
-    check_same_device(input, rstd)?;
-    check_dtype(grad_out.dtype()?)?;
-    check_dtype(rstd.dtype()?)?;
-    ensure!(
-        grad_out.sizes()? == input.sizes()?,
-        "grad_out of size {} does not match input of size {}",
-        shape(grad_out.sizes()?),
-        shape(input.sizes()?)
-    );
+    Ok(())
+}
+
+fn check_rstd(rstd: &Tensor, geometry: Geometry) -> Result<()> {
     ensure!(
         rstd.numel()? == geometry.rows,
         "rstd has {} elements, expected one per normalized row ({})",
         rstd.numel()?,
         geometry.rows
     );
-    Ok(geometry)
-}
-
-fn check_dtype(dtype: DType) -> Result<()> {
-    ensure!(dtype.is_float(), "{}", not_implemented(dtype));
     Ok(())
 }
 
@@ -100,6 +114,10 @@ pub fn plan_forward_cpu(
     normalized_shape: &[i64],
     weight: Option<&Tensor>,
 ) -> Result<Option<Geometry>> {
+    Operands::new("rms_norm", DeviceType::CPU)
+        .tensor("input", input)
+        .optional("weight", weight)
+        .check()?;
     let dtype = input.dtype()?;
     ensure!(
         dtype.is_float() || composite::computes(dtype),
@@ -111,11 +129,7 @@ pub fn plan_forward_cpu(
         && sizes[sizes.len() - normalized_shape.len()..] == *normalized_shape;
     let weight_fits = match weight {
         None => true,
-        Some(w) => {
-            w.dtype()?.is_float()
-                && w.sizes()? == normalized_shape
-                && w.device()? == input.device()?
-        }
+        Some(w) => w.dtype()?.is_float() && w.sizes()? == normalized_shape,
     };
     if dtype.is_float() && !normalized_shape.is_empty() && trailing && weight_fits {
         check_shapes(sizes, normalized_shape, weight).map(Some)
@@ -143,29 +157,24 @@ pub fn normalized_dims_cpu(input_sizes: &[i64], normalized_shape: &[i64]) -> Res
 /// Checks a CPU backward call (what autograd passes for any forward the CPU graft accepted) and
 /// returns its geometry: rows and columns of the normalized trailing dims.
 pub fn check_backward_cpu(
-    grad_out: &Tensor,
-    input: &Tensor,
+    (grad_out, input, rstd): (&Tensor, &Tensor, &Tensor),
     normalized_shape: &[i64],
-    rstd: &Tensor,
+    weight: Option<&Tensor>,
     output_mask: &[bool],
 ) -> Result<(Geometry, usize)> {
-    ensure!(
-        output_mask.len() == 2,
-        "output_mask must hold 2 values (grad_input, grad_weight), got {}",
-        output_mask.len()
-    );
-    check_dtype(input.dtype()?)?;
-    check_same_device(input, grad_out)?;
-    check_same_device(input, rstd)?;
-    check_dtype(grad_out.dtype()?)?;
-    check_dtype(rstd.dtype()?)?;
+    check_mask(output_mask)?;
+    Operands::new("rms_norm", DeviceType::CPU)
+        .tensor("input", input)
+        .float()
+        .optional("weight", weight)
+        .tensor("grad_out", grad_out)
+        .float()
+        .sizes_like("input")
+        .message(GRAD_OUT_SIZE)
+        .tensor("rstd", rstd)
+        .float()
+        .check()?;
     let sizes = input.sizes()?;
-    ensure!(
-        grad_out.sizes()? == sizes,
-        "grad_out of size {} does not match input of size {}",
-        shape(grad_out.sizes()?),
-        shape(sizes)
-    );
     let dims = normalized_dims_cpu(sizes, normalized_shape)?;
     let product = |sizes: &[i64]| sizes.iter().map(|&s| s as usize).product::<usize>();
     let batch = sizes.len() - dims;
@@ -173,22 +182,8 @@ pub fn check_backward_cpu(
         rows: product(&sizes[..batch]),
         cols: product(&sizes[batch..]),
     };
-    ensure!(
-        rstd.numel()? == geometry.rows,
-        "rstd has {} elements, expected one per normalized row ({})",
-        rstd.numel()?,
-        geometry.rows
-    );
+    check_rstd(rstd, geometry)?;
     Ok((geometry, dims))
-}
-
-fn check_same_device(a: &Tensor, b: &Tensor) -> Result<()> {
-    let (da, db) = (a.device()?, b.device()?);
-    ensure!(
-        da == db,
-        "Expected all tensors to be on the same device, but found at least two devices, {da} and {db}!"
-    );
-    Ok(())
 }
 
 fn check_shapes(

@@ -5,12 +5,12 @@
 //! errors and their order follow them (the meta function's checks first, then nothing at all
 //! for an empty tensor, then the dtype dispatch and the typed data accesses).
 
-use graft_abi::{ensure, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{ensure, DType, Device, DeviceType, Element, Kernel, NewTensor, Result, Tensor};
 use graft_kernels::softmax::{self, SoftmaxFloat};
 use half::{bf16, f16};
 
 use super::{
-    check_same_size, counters, expect_dtype, geometry, grad_input_dtype, is_last_dim,
+    check_backward, check_forward, counters, expect_dtype, geometry, grad_input_dtype, is_last_dim,
     not_implemented, wrap_dim, Backward, BackwardArgs, Forward, ForwardArgs, Shape, Which,
 };
 use crate::rms_norm::contiguous;
@@ -42,6 +42,7 @@ impl<W: Which> Kernel for Forward<W, Cpu> {
 
     fn run((input, dim, half_to_float): ForwardArgs) -> Result<(Tensor,)> {
         counters::<W>([&SOFTMAX, &LOG_SOFTMAX]).call();
+        check_forward::<W>(DeviceType::CPU, &input)?;
         let sizes = input.sizes()?;
         let d = wrap_dim(dim, sizes.len())?;
         ensure!(
@@ -90,7 +91,7 @@ impl<W: Which> Kernel for Backward<W, Cpu> {
 
     fn run((grad, output, dim, input_dtype): BackwardArgs) -> Result<(Tensor,)> {
         counters::<W>([&SOFTMAX_BACKWARD, &LOG_SOFTMAX_BACKWARD]).call();
-        check_same_size::<W>(&grad, &output)?;
+        check_backward::<W>(DeviceType::CPU, &grad, &output)?;
         let sizes = grad.sizes()?;
         let d = wrap_dim(dim, sizes.len())?;
         let dtype = grad.dtype()?;

@@ -12,12 +12,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{dispatch, ensure, DType, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{dispatch, ensure, DType, DeviceType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{SoftmaxBackward, SoftmaxForward};
 
 use super::{
-    check_same_size, counters, expect_dtype, geometry, grad_input_dtype, not_implemented, wrap_dim,
-    Backward, BackwardArgs, Forward, ForwardArgs, Kind, Shape, Which,
+    check_backward, check_forward, counters, expect_dtype, geometry, grad_input_dtype,
+    not_implemented, wrap_dim, Backward, BackwardArgs, Forward, ForwardArgs, Kind, Shape, Which,
 };
 use crate::rms_norm::contiguous;
 use crate::stats::Counters;
@@ -89,6 +89,7 @@ impl<W: Which> Kernel for Forward<W, Cuda> {
     fn run((input, dim, half_to_float): ForwardArgs) -> Result<(Tensor,)> {
         let counter = counters::<W>([&SOFTMAX, &LOG_SOFTMAX]);
         counter.call();
+        check_forward::<W>(DeviceType::CUDA, &input)?;
         let sizes = input.sizes()?;
         let d = wrap_dim(dim, sizes.len())?;
         let dtype = input.dtype()?;
@@ -142,7 +143,7 @@ impl<W: Which> Kernel for Backward<W, Cuda> {
     fn run((grad, output, dim, input_dtype): BackwardArgs) -> Result<(Tensor,)> {
         let counter = counters::<W>([&SOFTMAX_BACKWARD, &LOG_SOFTMAX_BACKWARD]);
         counter.call();
-        check_same_size::<W>(&grad, &output)?;
+        check_backward::<W>(DeviceType::CUDA, &grad, &output)?;
         let sizes = grad.sizes()?;
         let d = wrap_dim(dim, sizes.len())?;
         let dtype = grad.dtype()?;
@@ -163,13 +164,6 @@ impl<W: Which> Kernel for Backward<W, Cuda> {
         }
         // ATen reads grad and output as the grad's type (float32 under half_to_float).
         expect_dtype(dtype, output.dtype()?)?;
-        let same_device = output.device()? == device;
-        ensure!(
-            same_device,
-            "Expected all tensors to be on the same device, but found at least two devices, \
-             {device} and {}!",
-            output.device()?
-        );
         let shape = geometry(sizes, d);
         if !measured_faster(W::KIND, true, dtype, dtype != input_dtype, &shape) {
             counter.fallback();

@@ -11,7 +11,7 @@ pub mod cuda;
 
 use std::marker::PhantomData;
 
-use graft_abi::{ensure, DType, Result, Tensor};
+use graft_abi::{ensure, DType, DeviceType, Operands, Result, Tensor};
 pub use graft_kernels::softmax::{Kind, Shape};
 
 use crate::stats::Counters;
@@ -54,12 +54,6 @@ pub fn counters<W: Which>(two: [&'static Counters; 2]) -> &'static Counters {
     two[usize::from(W::KIND == Kind::LogSoftmax)]
 }
 
-/// Formats sizes the way c10 prints an IntArrayRef: `[3, 4]`.
-fn shape_text(sizes: &[i64]) -> String {
-    let items: Vec<String> = sizes.iter().map(i64::to_string).collect();
-    format!("[{}]", items.join(", "))
-}
-
 /// `dim` wrapped into `0..ndim` as c10's `maybe_wrap_dim` does (a 0-dim tensor counts as 1-dim),
 /// with its message (an `IndexError` in ATen).
 pub fn wrap_dim(dim: i64, ndim: usize) -> Result<usize> {
@@ -96,19 +90,30 @@ pub fn is_last_dim(dim: usize, ndim: usize) -> bool {
     dim + 1 == ndim.max(1)
 }
 
-/// The backward's size check: ATen's meta function of `_softmax_backward_data` makes it
-/// (`checkSameSize`); `_log_softmax_backward_data` has none and reads `output` with `grad`'s
-/// geometry, so the graft makes the same check there instead of reading out of bounds.
-pub fn check_same_size<W: Which>(grad: &Tensor, output: &Tensor) -> Result<()> {
-    let (g, o) = (grad.sizes()?, output.sizes()?);
-    ensure!(
-        g == o,
-        "Expected tensor for argument #1 'grad' to have same size as tensor for argument #2 \
-         'output'; but {} does not equal {} (while checking arguments for {}_backward)",
-        shape_text(g),
-        shape_text(o),
-        W::NAME
-    );
+/// Checks the forward's input: on the kernel's device (its dtype is checked where ATen's
+/// kernels check it, after the empty-tensor return).
+pub fn check_forward<W: Which>(kernel: DeviceType, input: &Tensor) -> Result<()> {
+    Operands::new(W::NAME, kernel)
+        .tensor("input", input)
+        .check()?;
+    Ok(())
+}
+
+/// Checks the backward's operands: one device, and one size. ATen's meta function of
+/// `_softmax_backward_data` makes the size check (`checkSameSize`);
+/// `_log_softmax_backward_data` has none and reads `output` with `grad`'s geometry, so the graft
+/// makes the same check there instead of reading out of bounds.
+pub fn check_backward<W: Which>(kernel: DeviceType, grad: &Tensor, output: &Tensor) -> Result<()> {
+    Operands::new(W::NAME, kernel)
+        .tensor("grad", grad)
+        .tensor("output", output)
+        .sizes_like("grad")
+        .message(
+            "Expected tensor for argument #1 'grad' to have same size as tensor for argument #2 \
+             'output'; but {want} does not equal {got} (while checking arguments for \
+             {op}_backward)",
+        )
+        .check()?;
     Ok(())
 }
 

@@ -23,8 +23,16 @@ import torch
 from torch import Tensor
 
 from torchgraft.ops.native_ops import define_native_ops
+from torchgraft.ops.operands import Operands
 
-__all__ = ["CrossEntropyInPlace", "acc_dtype", "check_logits", "eager"]
+__all__ = [
+    "CrossEntropyInPlace",
+    "acc_dtype",
+    "check_logits",
+    "check_reduction",
+    "eager",
+    "with_target",
+]
 
 define_native_ops()
 
@@ -41,40 +49,44 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_C10_NAMES = {torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.bool: "Bool"}
+def with_target(operands: Operands, target: Tensor, rows: Any) -> Operands:
+    """``operands`` and a ``(rows,)`` int64 target, as the native kernels declare it
+    (``ops/cross_entropy.rs``'s ``with_target``)."""
+    return (
+        operands.tensor("target", target)
+        .dtype(torch.int64)
+        .message("expected target dtype to be Long or Byte, but got {got}")
+        .dims(1)
+        .message("{op}: expected a 1-D target, got {got} dimensions")
+        .size(0, rows)
+        .message("Expected input batch_size ({want}) to match target batch_size ({got}).")
+    )
 
 
-def check_target(op: str, target: Tensor, rows: int) -> None:
-    """The native kernels' target checks, for fake tensors (same messages)."""
-    if target.dtype != torch.int64:
-        name = _C10_NAMES.get(target.dtype, str(target.dtype))
-        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {name}")
-    if target.dim() != 1:
-        raise RuntimeError(f"{op}: expected a 1-D target, got {target.dim()} dimensions")
-    if target.shape[0] != rows:
-        raise RuntimeError(
-            f"Expected input batch_size ({rows}) to match target batch_size ({target.shape[0]})."
+def check_logits(op: str, logits: Tensor, target: Tensor, in_place: bool = False) -> None:
+    """The native kernels' logits and target checks (``check_logits``), for fake tensors."""
+    operands = Operands(op).tensor("logits", logits, written=in_place)
+    if in_place:
+        operands.contiguous().message(
+            "{op}: the logits must be contiguous to take the gradient in place"
         )
+    operands.float().dims(2).message("{op}: expected 2-D logits (N, V), got {got} dimensions")
+    rows = logits.shape[0] if logits.dim() == 2 else 0
+    with_target(operands, target, rows).check()
 
 
-def check_logits(op: str, logits: Tensor, target: Tensor) -> None:
-    """The native kernels' logits checks, for fake tensors (same messages)."""
-    if logits.dtype not in _FLOATS:
-        raise RuntimeError(f"\"{op}\" not implemented for '{logits.dtype}'")
-    if logits.dim() != 2:
-        raise RuntimeError(f"{op}: expected 2-D logits (N, V), got {logits.dim()} dimensions")
-    check_target(op, target, logits.shape[0])
-
-
-def _check_options(reduction: int, label_smoothing: float) -> None:
-    if label_smoothing > 1.0:
-        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+def check_reduction(op: str, reduction: int) -> None:
+    """The native kernels' reduction check (``Reduction::from_i64``), for fake tensors."""
     if reduction not in (0, 1, 2):
         raise RuntimeError(
-            f"cross_entropy: {reduction} is not a valid value for reduction "
-            "(0: none, 1: mean, 2: sum)"
+            f"{op}: {reduction} is not a valid value for reduction (0: none, 1: mean, 2: sum)"
         )
+
+
+def _check_options(op: str, reduction: int, label_smoothing: float) -> None:
+    if label_smoothing > 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    check_reduction(op, reduction)
 
 
 def _loss_like(logits: Tensor, reduction: int) -> Tensor:
@@ -91,7 +103,7 @@ def _cross_entropy_fake(
     label_smoothing: float,
     compute_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    _check_options(reduction, label_smoothing)
+    _check_options("cross_entropy", reduction, label_smoothing)
     check_logits("cross_entropy", logits, target)
     grad = logits.new_empty(logits.shape if compute_grad else (0,))
     return _loss_like(logits, reduction), grad
@@ -101,14 +113,16 @@ def _cross_entropy_fake(
 def _cross_entropy_inplace_fake(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: int, label_smoothing: float
 ) -> Tensor:
-    _check_options(reduction, label_smoothing)
-    check_logits("cross_entropy_", logits, target)
+    _check_options("cross_entropy_", reduction, label_smoothing)
+    check_logits("cross_entropy_", logits, target, in_place=True)
     return _loss_like(logits, reduction)
 
 
-def _check_scale(op: str, grad: Tensor, grad_output: Tensor) -> None:
-    if grad.dtype not in _FLOATS:
-        raise RuntimeError(f"\"{op}\" not implemented for '{grad.dtype}'")
+def _check_scale(op: str, grad: Tensor, grad_output: Tensor, in_place: bool = False) -> None:
+    operands = Operands(op).tensor("grad", grad, written=in_place)
+    if in_place:
+        operands.contiguous().message("{op}: the gradient must be contiguous")
+    operands.float().tensor("grad_output", grad_output).float().check()
     per_row = grad_output.dim() == 1 and grad.dim() > 0 and grad_output.shape[0] == grad.shape[0]
     if grad_output.dim() != 0 and not per_row:
         raise RuntimeError(
@@ -125,7 +139,7 @@ def _scale_grad_fake(grad: Tensor, grad_output: Tensor) -> Tensor:
 
 @torch.library.register_fake("torchgraft::scale_grad_")
 def _scale_grad_inplace_fake(grad: Tensor, grad_output: Tensor) -> None:
-    _check_scale("scale_grad_", grad, grad_output)
+    _check_scale("scale_grad_", grad, grad_output, in_place=True)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:

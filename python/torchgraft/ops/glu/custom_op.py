@@ -16,20 +16,28 @@ from torch import Tensor
 
 from torchgraft.ops.eager_autograd import register_autograd
 from torchgraft.ops.native_ops import define_native_ops
+from torchgraft.ops.operands import Operands
 
 __all__ = ["geglu", "swiglu"]
 
 define_native_ops()
 
 
-def _check(op: str, gate: Tensor, up: Tensor) -> None:
-    """The checks the native kernels make, for fake tensors (same messages)."""
-    if not gate.dtype.is_floating_point:
-        raise RuntimeError(f"\"{op}\" not implemented for '{gate.dtype}'")
-    if up.dtype != gate.dtype:
-        raise RuntimeError(f"{op}: expected up to have dtype {gate.dtype}, got {up.dtype}")
-    if up.shape != gate.shape:
-        raise RuntimeError(f"{op}: expected up of size {list(gate.shape)}, got {list(up.shape)}")
+def _check(
+    op: str, gate: Tensor, up: Tensor, grad: Tensor | None = None, written: bool = False
+) -> None:
+    """The operands of the native kernels (``ops/glu.rs``'s ``check``, ``check_in_place`` when
+    ``written``), for fake tensors."""
+    (
+        Operands(op)
+        .tensor("gate", gate, written=written)
+        .float()
+        .tensor("up", up, written=written)
+        .like("gate")
+        .optional("grad", grad)
+        .like("gate")
+        .check()
+    )
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -44,7 +52,7 @@ def _swiglu_fake(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) ->
 
 @torch.library.register_fake("torchgraft::swiglu_backward")
 def _swiglu_backward_fake(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    _check("swiglu_backward", gate, up)
+    _check("swiglu_backward", gate, up, grad)
     return _empty(gate), _empty(up)
 
 
@@ -58,18 +66,18 @@ def _geglu_fake(gate: Tensor, up: Tensor, tanh: bool, *, inplace_backward: bool 
 def _geglu_backward_fake(
     grad: Tensor, gate: Tensor, up: Tensor, tanh: bool
 ) -> tuple[Tensor, Tensor]:
-    _check("geglu_backward", gate, up)
+    _check("geglu_backward", gate, up, grad)
     return _empty(gate), _empty(up)
 
 
 @torch.library.register_fake("torchgraft::swiglu_backward_")
 def _swiglu_backward_inplace_fake(grad: Tensor, gate: Tensor, up: Tensor) -> None:
-    _check("swiglu_backward_", gate, up)
+    _check("swiglu_backward_", gate, up, grad, written=True)
 
 
 @torch.library.register_fake("torchgraft::geglu_backward_")
 def _geglu_backward_inplace_fake(grad: Tensor, gate: Tensor, up: Tensor, tanh: bool) -> None:
-    _check("geglu_backward_", gate, up)
+    _check("geglu_backward_", gate, up, grad, written=True)
 
 
 def _owned_intermediate(t: Tensor) -> bool:

@@ -8,7 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["geglu_reference", "swiglu_reference"]
+__all__ = ["geglu_eager", "geglu_reference", "swiglu_eager", "swiglu_reference"]
+
+
+def swiglu_eager(gate: Tensor, up: Tensor) -> Tensor:
+    """``F.silu(gate) * up`` as models write it, in the inputs' dtypes."""
+    return F.silu(gate) * up
+
+
+def geglu_eager(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """``F.gelu(gate, approximate=approximate) * up`` as models write it."""
+    return F.gelu(gate, approximate=approximate) * up
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:

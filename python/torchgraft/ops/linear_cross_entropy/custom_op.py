@@ -24,39 +24,56 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.cross_entropy.custom_op import acc_dtype, check_target, eager
+from torchgraft.ops.cross_entropy.custom_op import acc_dtype, check_reduction, eager, with_target
 from torchgraft.ops.native_ops import define_native_ops
+from torchgraft.ops.operands import Operands
 
 __all__: list[str] = []
 
 define_native_ops()
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-
-def _check(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None) -> None:
-    """The native kernels' checks, for fake tensors (same messages)."""
-    if hidden.dtype not in _FLOATS:
-        raise RuntimeError(f"\"{op}\" not implemented for '{hidden.dtype}'")
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise RuntimeError(
-            f"{op}: expected 2-D hidden (N, H) and weight (V, H), got {hidden.dim()} and "
-            f"{weight.dim()} dimensions"
-        )
+def _check(
+    op: str,
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    grad_output: Tensor | None = None,
+) -> None:
+    """The native kernels' checks (``Problem::new``), for fake tensors (same messages)."""
+    rows = hidden.shape[0] if hidden.dim() > 0 else 0
+    vocab = weight.shape[0] if weight.dim() > 0 else 0
+    operands = (
+        Operands(op)
+        .tensor("hidden", hidden)
+        .float()
+        .dims(2)
+        .message("{op}: expected 2-D hidden (N, H), got {got} dimensions")
+        .tensor("weight", weight)
+        .dtype_like("hidden")
+        .dims(2)
+        .message("{op}: expected 2-D weight (V, H), got {got} dimensions")
+        .optional("bias", bias)
+        .dtype_like("hidden")
+        .sizes([vocab])
+        .optional("grad_output", grad_output)
+        .float()
+        .sizes([rows])
+    )
+    with_target(operands, target, rows).check()
     if hidden.shape[1] != weight.shape[1]:
         raise RuntimeError(
             f"mat1 and mat2 shapes cannot be multiplied ({hidden.shape[0]}x{hidden.shape[1]} "
             f"and {weight.shape[1]}x{weight.shape[0]})"
         )
-    others = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
-    for name, t in others:
-        if t.dtype != hidden.dtype:
-            raise RuntimeError(f"{op}: expected {name} to have dtype {hidden.dtype}, got {t.dtype}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 0:
         raise RuntimeError(
-            f"{op}: expected bias of size [{weight.shape[0]}], got {list(bias.shape)}"
+            f"linear_cross_entropy: chunk_size must be positive (0: automatic), got {chunk_size}"
         )
-    check_target(op, target, hidden.shape[0])
 
 
 def _grads_like(
@@ -80,7 +97,9 @@ def _forward_fake(
     chunk_size: int,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_reduction("linear_cross_entropy", reduction)
     _check("linear_cross_entropy", hidden, weight, target, bias)
+    _check_chunk_size(chunk_size)
     shape = (hidden.shape[0],) if reduction == 0 else ()
     loss = hidden.new_empty(shape, dtype=acc_dtype(hidden.dtype))
     return (loss, *_grads_like(hidden, weight, bias, output_mask, reduction != 0))
@@ -97,7 +116,8 @@ def _backward_fake(
     chunk_size: int,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check("linear_cross_entropy_backward", hidden, weight, target, bias)
+    _check("linear_cross_entropy_backward", hidden, weight, target, bias, grad_output)
+    _check_chunk_size(chunk_size)
     return _grads_like(hidden, weight, bias, output_mask, True)
 
 

@@ -5,9 +5,22 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
+from torchgraft.ops.cross_entropy.reference import cross_entropy_eager, cross_entropy_reference
 
-__all__ = ["linear_cross_entropy_reference"]
+__all__ = ["linear_cross_entropy_eager", "linear_cross_entropy_reference"]
+
+
+def linear_cross_entropy_eager(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), target)`` as models write it, with the
+    ``(..., V)`` logits flattened to rows."""
+    return cross_entropy_eager(F.linear(hidden, weight, bias), target, ignore_index, reduction)
 
 
 def linear_cross_entropy_reference(

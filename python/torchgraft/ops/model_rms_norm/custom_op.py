@@ -15,6 +15,7 @@ from torch import Tensor
 
 from torchgraft.ops.eager_autograd import register_autograd
 from torchgraft.ops.native_ops import define_native_ops
+from torchgraft.ops.operands import Operands, c10_name
 
 from .reference import acc_dtype
 
@@ -23,65 +24,60 @@ __all__ = ["rms_norm"]
 define_native_ops()
 
 
-def _sizes(shape: torch.Size) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """c10's name of a dtype ("Float", "BFloat16", ...), as the kernels' messages print it."""
-    return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-_C10_NAMES = {
-    torch.uint8: "Byte",
-    torch.int8: "Char",
-    torch.int16: "Short",
-    torch.int32: "Int",
-    torch.int64: "Long",
-    torch.float16: "Half",
-    torch.float32: "Float",
-    torch.float64: "Double",
-    torch.complex32: "ComplexHalf",
-    torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-    torch.bool: "Bool",
-    torch.bfloat16: "BFloat16",
-}
-
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check(op: str, x: Tensor, weight: Tensor | None, cast_before_weight: bool) -> None:
-    """The checks the native kernels make (same messages), for fake tensors."""
-    if x.dtype not in _KERNEL_DTYPES:
-        raise RuntimeError(f"\"{op}\" not implemented for '{_dtype_name(x.dtype)}'")
+def check(
+    op: str,
+    x: Tensor,
+    weight: Tensor | None,
+    cast_before_weight: bool,
+    saved: tuple[Tensor, Tensor] | None = None,
+) -> None:
+    """The native kernels' checks (``ops/rms_norm.rs``'s ``check``), for fake tensors; ``saved``
+    is the backward's ``(grad, rstd)``."""
     if x.dim() == 0:
         raise RuntimeError(
             f"{op}: expected an input with at least 1 dimension (normalized over the last), "
             "got a 0-dim tensor"
         )
-    if weight is None:
-        return
-    if weight.device != x.device:
-        raise RuntimeError(
-            "Expected all tensors to be on the same device, but found at least two devices, "
-            f"{x.device} and {weight.device}!"
-        )
-    if weight.dtype not in _KERNEL_DTYPES:
-        raise RuntimeError(f"\"{op}\" not implemented for '{_dtype_name(weight.dtype)}'")
-    cols = x.shape[-1]
-    if tuple(weight.shape) != (cols,):
-        raise RuntimeError(
+    grad, rstd = saved if saved is not None else (None, None)
+    rows = _prod(x.shape[:-1])
+    (
+        Operands(op)
+        .tensor("x", x)
+        .float()
+        .optional("weight", weight)
+        .float()
+        .sizes([x.shape[-1]])
+        .message(
             "Expected weight to be of same shape as normalized_shape, but got weight of shape "
-            f"{_sizes(weight.shape)} and normalized_shape = [{cols}]"
+            "{got} and normalized_shape = {want}"
         )
-    if cast_before_weight and torch.promote_types(x.dtype, weight.dtype) != x.dtype:
-        xd, wd = _dtype_name(x.dtype), _dtype_name(weight.dtype)
+        .optional("grad", grad)
+        .float()
+        .sizes_like("x")
+        .message("{op}: grad of size {got} does not match input of size {want}")
+        .optional("rstd", rstd)
+        .float()
+        .numel(rows)
+        .message("{op}: rstd has {got} elements, expected one per normalized row ({want})")
+        .check()
+    )
+    if (
+        weight is not None
+        and cast_before_weight
+        and torch.promote_types(x.dtype, weight.dtype) != x.dtype
+    ):
+        xd, wd = c10_name(x.dtype), c10_name(weight.dtype)
         raise RuntimeError(
             f"{op}: with cast_before_weight, a {wd} weight times a {xd} input is not {xd}; "
             "this op returns the input's dtype (torchgraft.functional.rms_norm computes this case)"
         )
+
+
+def _prod(sizes: Any) -> Any:
+    out = 1
+    for s in sizes:
+        out = out * s
+    return out
 
 
 @torch.library.register_fake("torchgraft::rms_norm")
@@ -104,7 +100,7 @@ def _rms_norm_backward_fake(
     cast_before_weight: bool,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor]:
-    check("rms_norm_backward", x, weight, cast_before_weight)
+    check("rms_norm_backward", x, weight, cast_before_weight, (grad, rstd))
     dx_shape = x.shape if output_mask[0] else (0,)
     dx = torch.empty(dx_shape, dtype=x.dtype, device=x.device)
     dw_dtype = weight.dtype if weight is not None else x.dtype

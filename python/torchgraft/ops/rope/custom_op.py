@@ -16,6 +16,7 @@ from torch import Tensor
 
 from torchgraft.ops.eager_autograd import register_autograd
 from torchgraft.ops.native_ops import define_native_ops
+from torchgraft.ops.operands import Operands
 from torchgraft.ops.rope.reference import rotate_half
 
 __all__ = ["rope"]
@@ -72,19 +73,19 @@ def _check(
     sin: Tensor,
     unsqueeze_dim: int,
 ) -> None:
-    """The checks the native kernels make, for fake tensors (same messages)."""
-    tensors = ((names[0], x[0]), (names[1], x[1]), ("cos", cos), ("sin", sin))
-    dtype = x[0].dtype
-    if not dtype.is_floating_point:
-        raise RuntimeError(f"\"{op}\" not implemented for '{dtype}'")
-    for name, t in tensors[1:]:
-        if t.device != x[0].device:
-            raise RuntimeError(
-                "Expected all tensors to be on the same device, but found at least two devices, "
-                f"{x[0].device} and {t.device}!"
-            )
-        if t.dtype != dtype:
-            raise RuntimeError(f"{op}: expected {name} to have dtype {dtype}, got {t.dtype}")
+    """The native kernels' checks (``ops/rope.rs``), for fake tensors (same messages)."""
+    (
+        Operands(op)
+        .tensor(names[0], x[0])
+        .float()
+        .tensor(names[1], x[1])
+        .dtype_like(names[0])
+        .tensor("cos", cos)
+        .dtype_like(names[0])
+        .tensor("sin", sin)
+        .dtype_like(names[0])
+        .check()
+    )
     if sin.shape != cos.shape:
         raise RuntimeError(
             f"{op}: expected sin of size {list(cos.shape)} (the size of cos), got {list(sin.shape)}"
@@ -104,7 +105,7 @@ def _check(
             f"{op}: the rotary dimension (the last size of cos, unsqueezed: {table}) must be even, "
             f"got {rotary}"
         )
-    for name, t in tensors[:2]:
+    for name, t in zip(names, x, strict=True):
         if t.dim() < 1:
             raise RuntimeError(f"{op}: {name} must have at least one dimension")
         if rotary > t.shape[-1]:
