@@ -7,7 +7,7 @@
 use graft_abi::{
     contiguous_strides, in_place_views, DType, Device, Element, Kernel, Result, Tensor,
 };
-use graft_kernels::adam::{self, AdamFloat, Buffers};
+use graft_kernels::ops::adam::{self, AdamFloat, Buffers};
 use half::{bf16, f16};
 
 use super::{check_numel, counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};

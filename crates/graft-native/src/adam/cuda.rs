@@ -8,7 +8,7 @@
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{ensure, is_dense, DType, Device, Kernel, Result, Tensor};
 use graft_cuda::{AdamMode, AdamStep, AdamTensor};
-use graft_kernels::adam::Mode;
+use graft_kernels::ops::adam::Mode;
 
 use super::{counters, float_arg, has_layout, item, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;

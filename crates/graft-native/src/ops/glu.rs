@@ -9,7 +9,7 @@ use graft_abi::{
     ensure, in_place_views, DType, Device, Element, Kernel, NewTensor, Result, Tensor,
 };
 use graft_cuda::{GluActivation, GluBackward, GluForward};
-use graft_kernels::glu::{self, Activation, GluMath};
+use graft_kernels::ops::glu::{self, Activation, GluMath};
 use graft_kernels::Float;
 use half::{bf16, f16};
 

@@ -25,7 +25,8 @@ use crate::float::{Acc, Float};
 use crate::parallel::Parallel;
 
 use crate::elem::panels;
-pub use crate::elem::{AccType, Convert, DirectFloat as SoftmaxFloat, Elem, PanelBuffer};
+pub use crate::elem::{AccType, DirectFloat as SoftmaxFloat, Elem, PanelBuffer};
+use crate::ops::convert::Convert;
 
 /// Softmax or log-softmax.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -239,12 +240,12 @@ fn dispatch_forward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: ForwardTa
         match Isa::current() {
             Isa::Avx512 => {
                 if let Some(token) = crate::simd::x86::Avx512::detect() {
-                    return token.softmax_forward(kind, cv, task);
+                    return x86::avx512::forward(token, kind, cv, task);
                 }
             }
             Isa::Avx2 => {
                 if let Some(token) = crate::simd::x86::Avx2::detect() {
-                    return token.softmax_forward(kind, cv, task);
+                    return x86::avx2::forward(token, kind, cv, task);
                 }
             }
             Isa::Portable => {}
@@ -260,12 +261,12 @@ fn dispatch_backward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: Backward
         match Isa::current() {
             Isa::Avx512 => {
                 if let Some(token) = crate::simd::x86::Avx512::detect() {
-                    return token.softmax_backward(kind, cv, task);
+                    return x86::avx512::backward(token, kind, cv, task);
                 }
             }
             Isa::Avx2 => {
                 if let Some(token) = crate::simd::x86::Avx2::detect() {
-                    return token.softmax_backward(kind, cv, task);
+                    return x86::avx2::backward(token, kind, cv, task);
                 }
             }
             Isa::Portable => {}
@@ -274,7 +275,25 @@ fn dispatch_backward<T: SoftmaxFloat>(kind: Kind, cv: Convert<T>, task: Backward
     run_backward::<T, false>(kind, cv, task)
 }
 
-/// A forward task; inlined into the instruction-set entry points (simd/x86.rs) so that its
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{run_backward, run_forward, BackwardTask, ForwardTask, Kind, SoftmaxFloat};
+    use crate::ops::convert::Convert;
+
+    crate::vectorize::x86_entry_points! { [avx2, avx512]
+        /// [`run_forward`] compiled for this token's features (exponentials with FMA).
+        fn forward<T>(_: S, kind: Kind, cv: Convert<T>, task: ForwardTask<'_, T>)
+        where [T: SoftmaxFloat]
+        { run_forward::<T, true>(kind, cv, task) }
+
+        /// [`run_backward`] compiled for this token's features (exponentials with FMA).
+        fn backward<T>(_: S, kind: Kind, cv: Convert<T>, task: BackwardTask<'_, T>)
+        where [T: SoftmaxFloat]
+        { run_backward::<T, true>(kind, cv, task) }
+    }
+}
+
+/// A forward task; inlined into the instruction-set entry points (`x86`) so that its
 /// loops vectorize there (with `FMA`: fused multiply-adds in the exponentials). No closure
 /// below takes part in a hot loop: a closure is compiled on its own, without the entry
 /// point's instruction set.

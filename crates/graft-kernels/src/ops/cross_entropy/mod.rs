@@ -21,9 +21,9 @@
 use std::cell::RefCell;
 
 use crate::blocks;
-use crate::dispatch::kernels;
 use crate::float::{Acc, Float};
 use crate::isa::Isa;
+use crate::ops::convert::Convert;
 use crate::parallel::Parallel;
 use crate::vectorize::{self, Job};
 
@@ -438,7 +438,7 @@ fn run_rows<'a, T: Float>(
     let k = Consts::new(o);
     let per = rows_per_task(o.cols);
     let isa = Isa::current();
-    let narrow = kernels::<T>().narrow;
+    let narrow = Convert::<T>::new().narrow;
     blocks::for_each(par, items, per * o.cols, |i, (loss, data)| {
         T::Acc::with_scratch(o.cols, |scratch| {
             vectorize::run_with(
@@ -626,7 +626,7 @@ fn run_scale<'a, T: Float>(
     T::Acc: CeMath,
 {
     let isa = Isa::current();
-    let table = kernels::<T>();
+    let table = Convert::<T>::new();
     blocks::for_each(par, items, TASK_ELEMS, |i, data| {
         T::Acc::with_scratch(PIECE, |scratch| {
             vectorize::run_with(
@@ -980,7 +980,7 @@ pub fn block_grad<T: Float>(
     }
     let per = rows_per_task(b.cols);
     let isa = Isa::current();
-    let narrow = kernels::<T>().narrow;
+    let narrow = Convert::<T>::new().narrow;
     let b = *b;
     let items: Vec<_> = logits.chunks_mut(per * b.cols).collect();
     blocks::for_each(par, items, per * b.cols, |i, x| {

@@ -10,8 +10,9 @@
 //! Arithmetic in the accumulation type; element access as [`crate::elem`] describes.
 
 use crate::blocks;
-use crate::elem::{panels, AccType, Convert, Elem, PanelBuffer};
+use crate::elem::{panels, AccType, Elem, PanelBuffer};
 use crate::float::Acc;
+use crate::ops::convert::Convert;
 use crate::parallel::Parallel;
 
 /// Element types the kernels accept.
@@ -270,12 +271,12 @@ fn dispatch_forward<T: NormFloat>(cv: Convert<T>, task: ForwardTask<'_, T>) {
         match Isa::current() {
             Isa::Avx512 => {
                 if let Some(token) = crate::simd::x86::Avx512::detect() {
-                    return token.layer_norm_forward(cv, task);
+                    return x86::avx512::forward(token, cv, task);
                 }
             }
             Isa::Avx2 => {
                 if let Some(token) = crate::simd::x86::Avx2::detect() {
-                    return token.layer_norm_forward(cv, task);
+                    return x86::avx2::forward(token, cv, task);
                 }
             }
             Isa::Portable => {}
@@ -291,12 +292,12 @@ fn dispatch_backward<T: NormFloat>(cv: Convert<T>, task: BackwardTask<'_, T>) {
         match Isa::current() {
             Isa::Avx512 => {
                 if let Some(token) = crate::simd::x86::Avx512::detect() {
-                    return token.layer_norm_backward(cv, task);
+                    return x86::avx512::backward(token, cv, task);
                 }
             }
             Isa::Avx2 => {
                 if let Some(token) = crate::simd::x86::Avx2::detect() {
-                    return token.layer_norm_backward(cv, task);
+                    return x86::avx2::backward(token, cv, task);
                 }
             }
             Isa::Portable => {}
@@ -305,7 +306,25 @@ fn dispatch_backward<T: NormFloat>(cv: Convert<T>, task: BackwardTask<'_, T>) {
     run_backward(cv, task)
 }
 
-/// A forward task; inlined into the instruction-set entry points (simd/x86.rs) so that its
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{run_backward, run_forward, BackwardTask, ForwardTask, NormFloat};
+    use crate::ops::convert::Convert;
+
+    crate::vectorize::x86_entry_points! { [avx2, avx512]
+        /// [`run_forward`] compiled for this token's features.
+        fn forward<T>(_: S, cv: Convert<T>, task: ForwardTask<'_, T>)
+        where [T: NormFloat]
+        { run_forward(cv, task) }
+
+        /// [`run_backward`] compiled for this token's features.
+        fn backward<T>(_: S, cv: Convert<T>, task: BackwardTask<'_, T>)
+        where [T: NormFloat]
+        { run_backward(cv, task) }
+    }
+}
+
+/// A forward task; inlined into the instruction-set entry points (`x86`) so that its
 /// loops vectorize there. No closure takes part in a hot loop (a closure is compiled on its
 /// own, without the entry point's instruction set).
 #[inline(always)]

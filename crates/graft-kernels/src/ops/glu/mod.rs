@@ -8,10 +8,14 @@
 //! outputs get shorter `f32` math whose error is far below their rounding ([`math_for`]).
 
 use crate::blocks;
-use crate::dispatch::fused_kernels;
 use crate::float::{Acc, Float};
+use crate::isa::Isa;
 use crate::parallel::Parallel;
+use crate::simd::portable::Portable;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::x86::{Avx2, Avx512};
 use crate::simd::{load_part, store_part, Lanes, Simd, SimdF32, MAX_LANES};
+use crate::tables::select_table;
 use crate::vmath;
 
 /// The activation applied to the gate.
@@ -240,7 +244,7 @@ where
 {
     let n = gate.len();
     check_lengths(n, &[("up", up.len()), ("y", y.len())]);
-    let kernel = fused_kernels::<T>().map(|k| k.glu_forward);
+    let kernel = kernels::<T>().map(|k| k.forward);
     let chunks: Vec<&mut [T]> = y.chunks_mut(CHUNK).collect();
     blocks::for_each(par, chunks, CHUNK, |i, y| {
         let at = i * CHUNK..i * CHUNK + y.len();
@@ -282,7 +286,7 @@ pub fn backward<T: Float>(
             ("dup", dup.len()),
         ],
     );
-    let kernel = fused_kernels::<T>().map(|k| k.glu_backward);
+    let kernel = kernels::<T>().map(|k| k.backward);
     let chunks: Vec<(&mut [T], &mut [T])> =
         dgate.chunks_mut(CHUNK).zip(dup.chunks_mut(CHUNK)).collect();
     blocks::for_each(par, chunks, CHUNK, |i, (dg, du)| {
@@ -320,7 +324,7 @@ pub fn backward_in_place<T: Float>(
 {
     let n = gate.len();
     check_lengths(n, &[("up", up.len()), ("dy", dy.len())]);
-    let kernel = fused_kernels::<T>().map(|k| k.glu_backward_in_place);
+    let kernel = kernels::<T>().map(|k| k.backward_in_place);
     let chunks: Vec<(&mut [T], &mut [T])> =
         gate.chunks_mut(CHUNK).zip(up.chunks_mut(CHUNK)).collect();
     blocks::for_each(par, chunks, CHUNK, |i, (g, u)| {
@@ -336,6 +340,94 @@ pub fn backward_in_place<T: Float>(
             }
         }
     });
+}
+
+/// `(act, gate, up, dy, dgate, dup)`: [`backward_lanes`] over one chunk.
+type BackwardFn<T> = fn(Activation, &[T], &[T], &[T], &mut [T], &mut [T]);
+
+/// GLU's vector kernels for element type `T`, compiled for one instruction set.
+struct Kernels<T: Float> {
+    /// [`forward_lanes`] over one chunk.
+    forward: fn(Activation, &[T], &[T], &mut [T]),
+    /// [`backward_lanes`] over one chunk.
+    backward: BackwardFn<T>,
+    /// [`backward_in_place_lanes`] over one chunk: `(act, gate, up, dy)`.
+    backward_in_place: fn(Activation, &mut [T], &mut [T], &[T]),
+}
+
+impl<T: Float> Clone for Kernels<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: Float> Copy for Kernels<T> {}
+
+/// The vector kernels for `T` and [`Isa::current`]; `None` for element types other than
+/// `f32`, `f64`, `bf16` and `f16` (their callers then compute one element at a time).
+fn kernels<T: Float>() -> Option<Kernels<T>> {
+    let isa = Isa::current();
+    select_table!(|N| match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => Kernels::<N> {
+            forward: |act, g, u, y| x86::avx512_bf16::forward(Avx512::get(), act, g, u, y),
+            backward: |act, g, u, dy, dg, du| {
+                x86::avx512_bf16::backward(Avx512::get(), act, g, u, dy, dg, du)
+            },
+            backward_in_place: |act, g, u, dy| {
+                x86::avx512_bf16::backward_in_place(Avx512::get(), act, g, u, dy)
+            },
+        },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Kernels::<N> {
+            forward: |act, g, u, y| x86::avx2::forward(Avx2::get(), act, g, u, y),
+            backward: |act, g, u, dy, dg, du| {
+                x86::avx2::backward(Avx2::get(), act, g, u, dy, dg, du)
+            },
+            backward_in_place: |act, g, u, dy| {
+                x86::avx2::backward_in_place(Avx2::get(), act, g, u, dy)
+            },
+        },
+        _ => Kernels::<N> {
+            forward: |act, g, u, y| forward_lanes(Portable, act, g, u, y),
+            backward: |act, g, u, dy, dg, du| backward_lanes(Portable, act, g, u, dy, dg, du),
+            backward_in_place: |act, g, u, dy| backward_in_place_lanes(Portable, act, g, u, dy),
+        },
+    })
+}
+
+/// GLU's kernels compiled for each x86 token; on AVX-512 CPUs with AVX512-BF16 once more with
+/// it, so that bf16 outputs are rounded by `vcvtneps2bf16` (2 instructions a vector instead of
+/// 10; the other element types compile to the same code as without it).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{backward_in_place_lanes, backward_lanes, forward_lanes, ActLanes, Activation};
+    use crate::simd::{Lanes, Simd};
+
+    crate::vectorize::x86_entry_points! { [avx2, avx512, avx512_bf16]
+        /// [`forward_lanes`] compiled for the token `S`.
+        fn forward<T>(s: S, act: Activation, gate: &[T], up: &[T], y: &mut [T])
+        where [T: Lanes<S>, S: Simd<T::Acc>, T::Acc: ActLanes<S>]
+        { forward_lanes(s, act, gate, up, y) }
+
+        /// [`backward_lanes`] compiled for the token `S`.
+        fn backward<T>(
+            s: S,
+            act: Activation,
+            gate: &[T],
+            up: &[T],
+            dy: &[T],
+            dgate: &mut [T],
+            dup: &mut [T]
+        )
+        where [T: Lanes<S>, S: Simd<T::Acc>, T::Acc: ActLanes<S>]
+        { backward_lanes(s, act, gate, up, dy, dgate, dup) }
+
+        /// [`backward_in_place_lanes`] compiled for the token `S`.
+        fn backward_in_place<T>(s: S, act: Activation, gate: &mut [T], up: &mut [T], dy: &[T])
+        where [T: Lanes<S>, S: Simd<T::Acc>, T::Acc: ActLanes<S>]
+        { backward_in_place_lanes(s, act, gate, up, dy) }
+    }
 }
 
 /// `n` elements from `src` as a vector (a partial one past the last whole vector).

@@ -1,4 +1,4 @@
-//! Row kernels written once against [`Simd`]/[`Lanes`], compiled per token.
+//! RMSNorm's row kernels, written once against [`Simd`]/[`Lanes`] and compiled per token.
 //!
 //! Every function here is `#[inline(always)]`, and none takes a closure: each must be inlined
 //! into a token's entry point (for x86, a `#[target_feature]` function), or its intrinsics would
@@ -9,7 +9,7 @@
 //! streaming while the core computes.
 
 use crate::float::{Acc, Float};
-use crate::simd::{load_exact_part, load_part, store_part, Lanes, Simd};
+use crate::simd::{load_part, store_part, Lanes, Simd};
 
 /// One block of whole rows for the forward kernel.
 pub(crate) struct ForwardRows<'a, T: Float> {
@@ -365,50 +365,6 @@ where
             s.mul_add(load_part(s, dy_tail), xhat, load_part(s, dw_tail)),
             dw_tail,
         );
-    }
-}
-
-/// `dst = src` widened to `T::Acc`.
-#[inline(always)]
-pub(crate) fn widen<S, T>(s: S, src: &[T], dst: &mut [T::Acc])
-where
-    S: Simd<T::Acc>,
-    T: Lanes<S>,
-    T::Acc: Lanes<S>,
-{
-    let full = src.len() / S::LANES * S::LANES;
-    let (src, src_tail) = src.split_at(full);
-    let (dst, dst_tail) = dst.split_at_mut(full);
-    for (src, dst) in src
-        .chunks_exact(S::LANES)
-        .zip(dst.chunks_exact_mut(S::LANES))
-    {
-        T::Acc::store(s, T::load_exact(s, src), dst);
-    }
-    if !src_tail.is_empty() {
-        store_part(s, load_exact_part(s, src_tail), dst_tail);
-    }
-}
-
-/// `dst = src` narrowed to `T` (rounding as [`Float::from_acc`]).
-#[inline(always)]
-pub(crate) fn narrow<S, T>(s: S, src: &[T::Acc], dst: &mut [T])
-where
-    S: Simd<T::Acc>,
-    T: Lanes<S>,
-    T::Acc: Lanes<S>,
-{
-    let full = src.len() / S::LANES * S::LANES;
-    let (src, src_tail) = src.split_at(full);
-    let (dst, dst_tail) = dst.split_at_mut(full);
-    for (src, dst) in src
-        .chunks_exact(S::LANES)
-        .zip(dst.chunks_exact_mut(S::LANES))
-    {
-        T::store(s, T::Acc::load(s, src), dst);
-    }
-    if !src_tail.is_empty() {
-        store_part(s, load_part(s, src_tail), dst_tail);
     }
 }
 
