@@ -72,7 +72,7 @@ mod x86 {
 macro_rules! x86_entry_points {
     (@module avx2 $($fns:tt)*) => {
         /// The entry points compiled for AVX2, FMA and F16C.
-        pub(crate) mod avx2 {
+        pub(super) mod avx2 {
             use super::*;
             /// This module's token.
             type S = $crate::simd::x86::Avx2;
@@ -81,7 +81,7 @@ macro_rules! x86_entry_points {
     };
     (@module avx512 $($fns:tt)*) => {
         /// The entry points compiled for AVX-512F, AVX2, FMA and F16C.
-        pub(crate) mod avx512 {
+        pub(super) mod avx512 {
             use super::*;
             /// This module's token.
             type S = $crate::simd::x86::Avx512;
@@ -91,7 +91,7 @@ macro_rules! x86_entry_points {
     (@module avx512_bf16 $($fns:tt)*) => {
         /// The entry points compiled for AVX-512F, AVX512-BF16, AVX512-DQ, AVX512-BW, AVX2, FMA
         /// and F16C where the CPU has them, else those of `avx512`.
-        pub(crate) mod avx512_bf16 {
+        pub(super) mod avx512_bf16 {
             use super::*;
             /// This module's token.
             type S = $crate::simd::x86::Avx512;
@@ -110,7 +110,7 @@ macro_rules! x86_entry_points {
     ) => {
         $(#[$attr])*
         #[allow(clippy::too_many_arguments)]
-        pub(crate) fn $name<$($g),*>(_: S $(, $arg: $ty)*) $(-> $ret)?
+        pub(in super::super) fn $name<$($g),*>(_: S $(, $arg: $ty)*) $(-> $ret)?
         where
             $($bound)*
         {
@@ -134,7 +134,7 @@ macro_rules! x86_entry_points {
     ) => {
         $(#[$attr])*
         #[allow(clippy::too_many_arguments)]
-        pub(crate) fn $name<$($g),*>($s: S $(, $arg: $ty)*) $(-> $ret)?
+        pub(in super::super) fn $name<$($g),*>($s: S $(, $arg: $ty)*) $(-> $ret)?
         where
             $($bound)*
         {
@@ -161,7 +161,7 @@ macro_rules! x86_entry_points {
     ) => {
         $(#[$attr])*
         #[allow(clippy::too_many_arguments)]
-        pub(crate) fn $name<$($g),*>($s: S $(, $arg: $ty)*) $(-> $ret)?
+        pub(in super::super) fn $name<$($g),*>($s: S $(, $arg: $ty)*) $(-> $ret)?
         where
             $($bound)*
         {

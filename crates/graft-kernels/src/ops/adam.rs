@@ -113,7 +113,7 @@ pub const fn lanes<T>() -> usize {
 
 /// The per-step constants, in the accumulation type, computed as ATen computes them.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Coeffs<A> {
+struct Coeffs<A> {
     grad_scale: A,
     sign: A,
     weight_decay: A,
@@ -166,7 +166,7 @@ impl<A: AdamMath> Coeffs<A> {
 
 /// A piece of one parameter's buffers; elements from `tail` on take ATen's scalar-loop rounding.
 #[derive(Debug)]
-pub(crate) struct Chunk<'a, T> {
+struct Chunk<'a, T> {
     param: &'a mut [T],
     grad: &'a mut [T],
     exp_avg: &'a mut [T],
@@ -302,7 +302,7 @@ fn run_split<T: AdamFloat, const STORE: bool, const DECAY: bool, const SMALL: bo
 /// Updates a chunk; inlined into the instruction-set entry point (`x86`), so that the fused
 /// multiply-adds compile to FMA instructions there.
 #[inline(always)]
-pub(crate) fn run_chunk<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
+fn run_chunk<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
     if std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>() {
         run_widened(c, chunk);
     } else {

@@ -60,7 +60,7 @@ impl<T> RopeOperand<'_, T> {
 
     /// The offsets of row `r`'s first element in `x`, `cos` and `sin`.
     #[inline(always)]
-    pub(crate) fn offsets(&self, r: usize) -> (usize, usize, usize) {
+    fn offsets(&self, r: usize) -> (usize, usize, usize) {
         let i2 = r % self.sizes[2];
         let i01 = r / self.sizes[2];
         let (i0, i1) = (i01 / self.sizes[1], i01 % self.sizes[1]);
@@ -182,13 +182,8 @@ fn rows_scalar<T: Float>(op: &RopeOperand<'_, T>, backward: bool, first: usize, 
 
 /// [`rope`] over the output rows `out` starting at row `first`, in vectors of the token `S`.
 #[inline(always)]
-pub(crate) fn rows_lanes<S, T>(
-    s: S,
-    op: &RopeOperand<'_, T>,
-    backward: bool,
-    first: usize,
-    out: &mut [T],
-) where
+fn rows_lanes<S, T>(s: S, op: &RopeOperand<'_, T>, backward: bool, first: usize, out: &mut [T])
+where
     S: Simd<T::Acc>,
     T: Lanes<S>,
 {

@@ -12,7 +12,7 @@ use crate::float::{Acc, Float};
 use crate::simd::{load_part, store_part, Lanes, Simd};
 
 /// One block of whole rows for the forward kernel.
-pub(crate) struct ForwardRows<'a, T: Float> {
+pub(super) struct ForwardRows<'a, T: Float> {
     /// Input rows, `rows * cols` elements.
     pub x: &'a [T],
     /// Output rows, like `x`.
@@ -30,7 +30,7 @@ pub(crate) struct ForwardRows<'a, T: Float> {
 }
 
 /// One block of whole rows for the backward kernel.
-pub(crate) struct BackwardRows<'a, T: Float> {
+pub(super) struct BackwardRows<'a, T: Float> {
     /// Output gradient rows, `rows * cols` elements.
     pub dy: &'a [T],
     /// Input rows, like `dy`.
@@ -61,7 +61,7 @@ fn row_and_next<T>(data: &[T], cols: usize, i: usize) -> (&[T], &[T]) {
 /// `y = (x * rstd) * weight` per row, with `rstd = 1 / sqrt(mean(x^2) + eps)` (`x * rstd`
 /// rounded to `T` first with `round_first`).
 #[inline(always)]
-pub(crate) fn forward<S, T>(s: S, rows: ForwardRows<'_, T>)
+pub(super) fn forward<S, T>(s: S, rows: ForwardRows<'_, T>)
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -163,7 +163,7 @@ where
 /// Per row: `xhat = x * rstd`, `g = dy * weight`, `dx = (g - xhat * mean(g * xhat)) * rstd`, and
 /// `dw += dy * xhat` (`xhat` rounded to `T` with `round_first`) into the block's partial.
 #[inline(always)]
-pub(crate) fn backward<S, T>(s: S, rows: BackwardRows<'_, T>)
+pub(super) fn backward<S, T>(s: S, rows: BackwardRows<'_, T>)
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -370,7 +370,7 @@ where
 
 /// `acc += part`, lane by lane (the fixed-order reduction of weight-gradient partials).
 #[inline(always)]
-pub(crate) fn accumulate<S, A>(s: S, acc: &mut [A], part: &[A])
+pub(super) fn accumulate<S, A>(s: S, acc: &mut [A], part: &[A])
 where
     A: Acc + Lanes<S>,
     S: Simd<A>,
