@@ -57,8 +57,9 @@ mod x86 {
 /// }
 /// ```
 ///
-/// gives `avx2::forward(token: Avx2, rows)` and `avx512::forward(token: Avx512, rows)`; in each
-/// module `S` names its token type, and `use super::*` brings in the caller's imports. The body
+/// gives `avx2::forward(token: Avx2, rows)` and `avx512::forward(token: Avx512, rows)`, visible
+/// to the caller's parent (the op, whose `mod x86` calls the macro); in each module `S` names
+/// its token type, and `use super::*` brings in the caller's imports. The body
 /// runs in a `#[target_feature]` function that the token argument makes safe to call; whatever
 /// it calls in its loops must be `#[inline(always)]` (a closure is compiled on its own, without
 /// the features). Write `_: S` for a body that does not use the token.
