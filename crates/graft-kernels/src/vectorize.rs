@@ -70,6 +70,7 @@ mod x86 {
 /// - `avx512_bf16` (with `avx512`): the body compiled once more with AVX512-BF16, AVX512-DQ
 ///   and AVX512-BW and a token that uses them ([`crate::simd::x86::Avx512::with_bf16`]), run
 ///   where the CPU has them; elsewhere the `avx512` function runs.
+#[cfg(target_arch = "x86_64")]
 macro_rules! x86_entry_points {
     (@module avx2 $($fns:tt)*) => {
         /// The entry points compiled for AVX2, FMA and F16C.
@@ -195,4 +196,5 @@ macro_rules! x86_entry_points {
     };
 }
 
+#[cfg(target_arch = "x86_64")]
 pub(crate) use x86_entry_points;
