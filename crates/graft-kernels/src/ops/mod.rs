@@ -1,5 +1,5 @@
 //! The ops, one module each: its public functions, its kernels, its `#[target_feature]` entry
-//! points (`x86` inside it, made by [`crate::vectorize::x86_entry_points`]) and its dispatch.
+//! points (`x86` inside it, made by `vectorize::x86_entry_points!`) and its dispatch.
 //! An op imports the neutral modules of the crate and [`convert`] (the element conversions),
 //! never another op.
 

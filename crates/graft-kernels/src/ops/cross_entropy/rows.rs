@@ -273,7 +273,7 @@ fn run_rows<'a, T: Float>(
 }
 
 /// Per-row losses of `logits` (`target.len()` rows of `o.cols`), and the gradient into `grad`
-/// (same length as `logits`) when given. Targets must have passed [`count_valid`].
+/// (same length as `logits`) when given. Targets must have passed [`count_valid`](super::count_valid).
 ///
 /// # Panics
 /// If a length disagrees, or a target is out of range.

@@ -151,7 +151,7 @@ fn check_block_shape(logits_len: usize, target: &[i64], b: &Block) -> usize {
 /// Merges one block of logits (`target.len()` rows of `b.cols`) into each row's running
 /// maximum and sum of exponentials (online softmax), and records the target's logit when the
 /// target is in the block. Rows whose target is `b.ignore_index` are skipped (their loss is 0).
-/// Targets must have passed [`count_valid`] over the whole vocabulary.
+/// Targets must have passed [`count_valid`](super::count_valid) over the whole vocabulary.
 ///
 /// # Panics
 /// If a length disagrees or `b.cols` is 0.
