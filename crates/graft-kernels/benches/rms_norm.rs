@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use graft_kernels::{rms_norm, Float, Isa, Parallel, Serial, Threads};
+use graft_kernels::ops::rms_norm;
+use graft_kernels::{Float, Isa, Parallel, Serial, Threads};
 use half::bf16;
 
 mod common;

@@ -10,8 +10,8 @@
 
 use std::time::Instant;
 
-use graft_kernels::glu::{self, Activation};
-use graft_kernels::rope::{self, RopeOperand};
+use graft_kernels::ops::glu::{self, Activation};
+use graft_kernels::ops::rope::{self, RopeOperand};
 use graft_kernels::{with_isa, Isa, Parallel, Serial, Threads};
 use half::bf16;
 

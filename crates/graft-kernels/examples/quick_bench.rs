@@ -6,7 +6,8 @@
 
 use std::time::Instant;
 
-use graft_kernels::{rms_norm, with_isa, Float, Isa, Parallel, Serial, Threads};
+use graft_kernels::ops::rms_norm;
+use graft_kernels::{with_isa, Float, Isa, Parallel, Serial, Threads};
 use half::bf16;
 
 #[path = "../benches/common/mod.rs"]

@@ -1,11 +1,10 @@
 //! How the row kernels of softmax and LayerNorm reach values of each element type: `f32`,
 //! `f64` and `bf16` are read and written directly, converted one by one in ways that vectorize
 //! ([`Elem`]); `f16` through per-thread panels of `f32` ([`PanelBuffer`]) that the vectorized
-//! F16C conversions fill and empty ([`Convert`]).
+//! F16C conversions fill and empty ([`crate::ops::convert::Convert`]).
 
 use half::{bf16, f16};
 
-use crate::dispatch::kernels;
 use crate::exp::VecExp;
 use crate::float::{Acc, Float};
 
@@ -121,35 +120,4 @@ impl DirectFloat for bf16 {
 }
 impl DirectFloat for f16 {
     const PANELS: bool = true;
-}
-
-/// The conversions between `T` and its accumulation type, looked up once per call.
-pub struct Convert<T: Float> {
-    pub(crate) widen: fn(&[T], &mut [T::Acc]),
-    pub(crate) narrow: fn(&[T::Acc], &mut [T]),
-}
-
-impl<T: Float> Clone for Convert<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<T: Float> Copy for Convert<T> {}
-
-impl<T: Float> Default for Convert<T> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<T: Float> Convert<T> {
-    /// The conversions of [`Isa::current`](crate::Isa::current).
-    pub fn new() -> Self {
-        let k = kernels::<T>();
-        Convert {
-            widen: k.widen,
-            narrow: k.narrow,
-        }
-    }
 }

@@ -1,12 +1,13 @@
 //! `e^x` written so that loops of it vectorize: range reduction, a polynomial, and the power of
 //! two built from the exponent's bits, with no branch and no libm call.
 //!
-//! Inlined into loops compiled for AVX2 / AVX-512 (simd/x86.rs) with `FMA = true` it becomes
-//! about a dozen vector instructions per lane; the portable build uses `FMA = false` (separate
-//! multiplies and adds: a fused multiply-add without the instruction is a slow libm call). Accuracy: about 1 ulp for
-//! `f32` (Cephes' `expf` polynomial) and 2 ulp for `f64` (Cephes' `exp` Padé form); subnormal
-//! results are computed, not flushed; `exp(-inf) = 0`, `exp(+inf) = inf`, `exp(NaN) = NaN`
-//! (arguments are clamped to a range whose ends overflow to inf and underflow to 0).
+//! Inlined into loops compiled for AVX2 / AVX-512 (the ops' `x86` entry points) with
+//! `FMA = true` it becomes about a dozen vector instructions per lane; the portable build uses
+//! `FMA = false` (separate multiplies and adds: a fused multiply-add without the instruction is a
+//! slow libm call). Accuracy: about 1 ulp for `f32` (Cephes' `expf` polynomial) and 2 ulp for
+//! `f64` (Cephes' `exp` Padé form); subnormal results are computed, not flushed;
+//! `exp(-inf) = 0`, `exp(+inf) = inf`, `exp(NaN) = NaN` (arguments are clamped to a range whose
+//! ends overflow to inf and underflow to 0).
 //!
 //! Not yet shared: `vmath::exp` (GLU; `f32` only, written against the explicit `SimdF32`
 //! tokens) and `cross_entropy`'s `exp_nonpos` (`f32` for arguments <= 0, `f64` through libm)

@@ -1,34 +1,30 @@
-//! Pure Rust CPU kernels for torchgraft: RMSNorm forward and backward over contiguous row-major
-//! buffers, gated linear units ([`glu`]) and rotary position embeddings over strided rows
-//! ([`rope`]), generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]). The activations'
-//! `f32` transcendental functions are vectorized too (`vmath`).
+//! Pure Rust CPU kernels for torchgraft, one module per op under [`ops`]: RMSNorm, LayerNorm,
+//! softmax, gated linear units, rotary position embeddings, cross-entropy, Adam, and the
+//! element conversions. They work on contiguous (RoPE: strided) buffers, generic over `f32`,
+//! `f64`, `bf16` and `f16` (see [`Float`]), with the numerics of PyTorch's reference composites
+//! and ATen's CPU kernels (each op's docs say which).
 //!
 //! The kernels are SIMD, chosen at run time ([`Isa`]: AVX-512, AVX2 + FMA + F16C, or portable
-//! Rust), and run near memory bandwidth: the forward pass reads each row from memory once (the
-//! second pass, which writes `y`, finds it in cache), the backward pass reads `x` and `dy` once.
-//! Parallelism comes only from the caller's [`Parallel`] (torch's intra-op pool in torchgraft);
-//! [`Serial`] and [`Threads`] serve tests and benchmarks.
+//! Rust), and run near memory bandwidth. Parallelism comes only from the caller's [`Parallel`]
+//! (torch's intra-op pool in torchgraft); [`Serial`] and [`Threads`] serve tests and benchmarks.
+//! No torch dependency.
 //!
-//! No torch dependency: the numerics follow PyTorch's reference composites for
-//! `aten::_fused_rms_norm` and `aten::_fused_rms_norm_backward`.
+//! Layout: `ops/<op>` holds an op's public functions, its kernels written once against the
+//! vector tokens, its `#[target_feature]` entry points and its dispatch. The ops share only
+//! neutral modules: `simd` (the vector tokens and their arithmetic, which names no op), `isa`,
+//! `vectorize` (compiling a generic kernel per instruction set), `tables` (kernel tables per
+//! element type), `float`, `parallel`, `blocks`, `elem`, `exp` and `vmath`; and `ops::convert`,
+//! whose conversions every op with 16-bit inputs uses.
 
-pub mod adam;
 mod blocks;
-pub mod convert;
-pub mod cross_entropy;
-mod dispatch;
 pub mod elem;
 pub mod exp;
 mod float;
-pub mod glu;
 mod isa;
-pub mod layer_norm;
+pub mod ops;
 mod parallel;
-pub mod rms_norm;
-pub mod rope;
-mod rows;
 mod simd;
-pub mod softmax;
+mod tables;
 mod vectorize;
 mod vmath;
 

@@ -5,7 +5,8 @@
 mod common;
 
 use common::Rng;
-use graft_kernels::{convert, with_isa, Float, Isa};
+use graft_kernels::ops::convert;
+use graft_kernels::{with_isa, Float, Isa};
 use half::{bf16, f16};
 
 /// Every 16-bit pattern, widened: `Float::to_acc` and `convert::to_acc` against `half`.

@@ -6,7 +6,7 @@ mod common;
 use common::{
     assert_close, assert_close_scaled, poisoned, random, to_f64, ReverseChunks, Rng, TestFloat,
 };
-use graft_kernels::cross_entropy::{self as ce, BadTarget, CeMath, Options, Scale};
+use graft_kernels::ops::cross_entropy::{self as ce, BadTarget, CeMath, Options, Scale};
 use graft_kernels::{with_isa, Isa, Serial, Threads};
 use half::{bf16, f16};
 

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use graft_kernels::glu::{self, Activation, GluMath};
+use graft_kernels::ops::glu::{self, Activation, GluMath};
 use graft_kernels::{with_isa, Isa, Serial, Threads};
 use half::{bf16, f16};
 

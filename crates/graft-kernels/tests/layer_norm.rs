@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use graft_kernels::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat, Stats};
+use graft_kernels::ops::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat, Stats};
 use graft_kernels::{with_isa, Isa, Parallel, Serial, Threads};
 use half::{bf16, f16};
 

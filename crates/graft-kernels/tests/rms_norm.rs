@@ -3,7 +3,8 @@
 mod common;
 
 use common::*;
-use graft_kernels::{rms_norm, with_isa, Acc, Isa, Parallel, Serial, Threads};
+use graft_kernels::ops::rms_norm;
+use graft_kernels::{with_isa, Acc, Isa, Parallel, Serial, Threads};
 use half::{bf16, f16};
 
 const COLS: [usize; 15] = [

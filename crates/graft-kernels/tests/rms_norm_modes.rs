@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use graft_kernels::rms_norm::{self, WeightMode};
+use graft_kernels::ops::rms_norm::{self, WeightMode};
 use graft_kernels::{with_isa, Float, Isa, Serial, Threads};
 use half::{bf16, f16};
 

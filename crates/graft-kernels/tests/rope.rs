@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use graft_kernels::rope::{self, coalesce, RopeOperand};
+use graft_kernels::ops::rope::{self, coalesce, RopeOperand};
 use graft_kernels::{with_isa, Isa, Serial, Threads};
 use half::{bf16, f16};
 

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use graft_kernels::softmax::{self, Kind, Shape};
+use graft_kernels::ops::softmax::{self, Kind, Shape};
 use graft_kernels::{with_isa, Isa, Parallel, Serial, Threads};
 use half::{bf16, f16};
 

@@ -1,10 +1,11 @@
-//! The vector abstraction the row kernels are written against, and its implementations.
+//! The vector abstraction the kernels are written against, and its implementations: the ISA
+//! traits and their tokens, a leaf that names no op.
 //!
 //! A *token* type (`Portable`, `x86::Avx2`, `x86::Avx512`) implements [`Simd`] for the
 //! accumulation types; element types implement [`Lanes`] for the tokens they can be loaded with.
 //! An x86 token can only be obtained after run-time feature detection succeeds, which is what
 //! makes its methods sound; they are `#[inline(always)]` so that they compile, inlined, into the
-//! `#[target_feature]` entry points in `x86`.
+//! ops' `#[target_feature]` entry points ([`crate::vectorize::x86_entry_points`]).
 
 use crate::float::{Acc, Float};
 

@@ -8,7 +8,7 @@ use graft_abi::{
     contiguous_strides, in_place_views, DType, DeviceType, Element, Kernel, Operands, Result,
     Tensor,
 };
-use graft_kernels::adam::{self, AdamFloat, Buffers};
+use graft_kernels::ops::adam::{self, AdamFloat, Buffers};
 use half::{bf16, f16};
 
 use super::{counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};

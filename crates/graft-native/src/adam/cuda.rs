@@ -8,7 +8,7 @@
 use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{ensure, DType, Device, DeviceType, Kernel, Operands, Result, Tensor};
 use graft_cuda::{AdamMode, AdamStep, AdamTensor};
-use graft_kernels::adam::Mode;
+use graft_kernels::ops::adam::Mode;
 
 use super::{counters, float_arg, item, Call, Lr, LrArg, Step, Variant};
 use crate::stats::Counters;

@@ -11,7 +11,7 @@ pub mod cuda;
 use std::marker::PhantomData;
 
 use graft_abi::{ensure, DType, Device, FromStable, NewTensor, Result, Tensor};
-use graft_kernels::adam::Mode;
+use graft_kernels::ops::adam::Mode;
 
 use crate::stats::Counters;
 
@@ -174,14 +174,14 @@ impl Call {
             .map(move |(name, l)| (name, &l[i]))
     }
 
-    /// The step's constants for the kernels of `graft_kernels::adam`, with the lr given.
+    /// The step's constants for the kernels of `graft_kernels::ops::adam`, with the lr given.
     pub fn hyper(
         &self,
         mode: Mode,
         lr: f64,
         grad_scale: Option<f32>,
-    ) -> graft_kernels::adam::Hyper {
-        graft_kernels::adam::Hyper {
+    ) -> graft_kernels::ops::adam::Hyper {
+        graft_kernels::ops::adam::Hyper {
             mode,
             lr,
             beta1: self.beta1,

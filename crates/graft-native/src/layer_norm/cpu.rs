@@ -5,7 +5,7 @@
 //! for a bfloat16 input with bfloat16 parameters); the errors in ATen's order.
 
 use graft_abi::{DType, Device, DeviceType, Element, Kernel, NewTensor, Result, Tensor};
-use graft_kernels::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat, Stats};
+use graft_kernels::ops::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat, Stats};
 use half::{bf16, f16};
 
 use super::{

@@ -14,7 +14,7 @@ use graft_abi::{
     contiguous_strides, ensure, in_place_views, DType, Device, DeviceType, Element, Error, Kernel,
     NewTensor, Operands, Result, Tensor,
 };
-use graft_kernels::cross_entropy::{self as ce, BadTarget, CeMath, Options, Scale};
+use graft_kernels::ops::cross_entropy::{self as ce, BadTarget, CeMath, Options, Scale};
 use graft_kernels::{Acc, Float};
 use half::{bf16, f16};
 

@@ -11,7 +11,7 @@ use graft_abi::{
     Result, Tensor,
 };
 use graft_cuda::{GluActivation, GluBackward, GluForward};
-use graft_kernels::glu::{self, Activation, GluMath};
+use graft_kernels::ops::glu::{self, Activation, GluMath};
 use graft_kernels::Float;
 use half::{bf16, f16};
 

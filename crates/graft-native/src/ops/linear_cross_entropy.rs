@@ -52,7 +52,7 @@
 
 use graft_abi::{aten, dispatch, ensure, DType, Device, DeviceType, Element, Error, Kernel};
 use graft_abi::{Checked, NewTensor, Operands, Result, Tensor};
-use graft_kernels::cross_entropy::{self as ce, CeMath, Scale};
+use graft_kernels::ops::cross_entropy::{self as ce, CeMath, Scale};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
@@ -1117,9 +1117,9 @@ fn reduce_rows_cpu(
     }
     let mean = reduction == Reduction::Mean;
     let total: f64 = if acc_dtype(dtype) == DType::F64 {
-        graft_kernels::cross_entropy::reduce(rows.as_slice::<f64>()?, mean, valid)
+        graft_kernels::ops::cross_entropy::reduce(rows.as_slice::<f64>()?, mean, valid)
     } else {
-        graft_kernels::cross_entropy::reduce(rows.as_slice::<f32>()?, mean, valid) as f64
+        graft_kernels::ops::cross_entropy::reduce(rows.as_slice::<f32>()?, mean, valid) as f64
     };
     let acc = acc_dtype(dtype);
     let mut out = NewTensor::empty(&[], acc, Device::CPU)?;

@@ -23,8 +23,9 @@ use graft_abi::{
     ensure, DType, Device, DeviceType, Element, Kernel, NewTensor, Operands, Result, Tensor,
 };
 use graft_cuda::{RmsNormForward, Weight};
-use graft_kernels::rms_norm::{self, WeightMode};
-use graft_kernels::{convert, Float};
+use graft_kernels::ops::convert;
+use graft_kernels::ops::rms_norm::{self, WeightMode};
+use graft_kernels::Float;
 use half::{bf16, f16};
 
 use crate::rms_norm::cuda::{

@@ -19,7 +19,7 @@ use graft_abi::{
     Kernel, NewTensor, Operands, Result, Tensor,
 };
 use graft_cuda::{RopeArgs, RopeOperand as CudaOperand};
-use graft_kernels::rope::{self, coalesce, RopeOperand};
+use graft_kernels::ops::rope::{self, coalesce, RopeOperand};
 use graft_kernels::Float;
 use half::{bf16, f16};
 

@@ -5,7 +5,8 @@
 //! calls `_fused_rms_norm_backward`: both ops are grafted together.
 
 use graft_abi::{dispatch, DType, Device, Element, Kernel, NewTensor, Result, Tensor};
-use graft_kernels::{convert, rms_norm, Float};
+use graft_kernels::ops::{convert, rms_norm};
+use graft_kernels::Float;
 use half::{bf16, f16};
 
 use super::{

@@ -6,7 +6,7 @@
 //! for an empty tensor, then the dtype dispatch and the typed data accesses).
 
 use graft_abi::{ensure, DType, Device, DeviceType, Element, Kernel, NewTensor, Result, Tensor};
-use graft_kernels::softmax::{self, SoftmaxFloat};
+use graft_kernels::ops::softmax::{self, SoftmaxFloat};
 use half::{bf16, f16};
 
 use super::{

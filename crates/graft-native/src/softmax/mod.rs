@@ -12,7 +12,7 @@ pub mod cuda;
 use std::marker::PhantomData;
 
 use graft_abi::{ensure, DType, DeviceType, Operands, Result, Tensor};
-pub use graft_kernels::softmax::{Kind, Shape};
+pub use graft_kernels::ops::softmax::{Kind, Shape};
 
 use crate::stats::Counters;
 

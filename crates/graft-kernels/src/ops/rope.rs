@@ -18,10 +18,14 @@
 //! enumeration of the leading dimensions. [`coalesce`] brings any layout to that form.
 
 use crate::blocks;
-use crate::dispatch::fused_kernels;
 use crate::float::Float;
+use crate::isa::Isa;
 use crate::parallel::Parallel;
+use crate::simd::portable::Portable;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::x86::{Avx2, Avx512};
 use crate::simd::{load_part, store_part, Lanes, Simd};
+use crate::tables::select_table;
 
 /// One operand (`q` or `k`, or their gradients) of a rope call.
 #[derive(Clone, Copy, Debug)]
@@ -56,7 +60,7 @@ impl<T> RopeOperand<'_, T> {
 
     /// The offsets of row `r`'s first element in `x`, `cos` and `sin`.
     #[inline(always)]
-    pub(crate) fn offsets(&self, r: usize) -> (usize, usize, usize) {
+    fn offsets(&self, r: usize) -> (usize, usize, usize) {
         let i2 = r % self.sizes[2];
         let i01 = r / self.sizes[2];
         let (i0, i1) = (i01 / self.sizes[1], i01 % self.sizes[1]);
@@ -111,12 +115,46 @@ pub fn rope<T: Float>(op: &RopeOperand<'_, T>, backward: bool, out: &mut [T], pa
     }
     let block = rows_per_task(op.head_dim);
     let chunk = block * op.head_dim;
-    let kernel = fused_kernels::<T>().map(|k| k.rope);
+    let kernel = kernel::<T>();
     let tasks: Vec<&mut [T]> = out.chunks_mut(chunk).collect();
     blocks::for_each(par, tasks, chunk, |i, out| match kernel {
         Some(kernel) => kernel(op, backward, i * block, out),
         None => rows_scalar(op, backward, i * block, out),
     });
+}
+
+/// `(op, backward, first, out)`: [`rows_lanes`] over a block of output rows.
+type RowsFn<T> = fn(&RopeOperand<'_, T>, bool, usize, &mut [T]);
+
+/// The vector kernel for `T` and [`Isa::current`]; `None` for element types other than `f32`,
+/// `f64`, `bf16` and `f16` (computed one element at a time: [`rows_scalar`]).
+fn kernel<T: Float>() -> Option<RowsFn<T>> {
+    let isa = Isa::current();
+    select_table!(|N| {
+        let rows: RowsFn<N> = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                |op, bwd, first, out| x86::avx512::rows(Avx512::get(), op, bwd, first, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => |op, bwd, first, out| x86::avx2::rows(Avx2::get(), op, bwd, first, out),
+            _ => |op, bwd, first, out| rows_lanes(Portable, op, bwd, first, out),
+        };
+        rows
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{rows_lanes, RopeOperand};
+    use crate::simd::{Lanes, Simd};
+
+    crate::vectorize::x86_entry_points! { [avx2, avx512]
+        /// [`rows_lanes`] compiled for the token `S`.
+        fn rows<T>(s: S, op: &RopeOperand<'_, T>, backward: bool, first: usize, out: &mut [T])
+        where [T: Lanes<S>, S: Simd<T::Acc>]
+        { rows_lanes(s, op, backward, first, out) }
+    }
 }
 
 /// [`rope`] over the output rows `out` (whole rows) starting at row `first`, one element at a
@@ -144,13 +182,8 @@ fn rows_scalar<T: Float>(op: &RopeOperand<'_, T>, backward: bool, first: usize, 
 
 /// [`rope`] over the output rows `out` starting at row `first`, in vectors of the token `S`.
 #[inline(always)]
-pub(crate) fn rows_lanes<S, T>(
-    s: S,
-    op: &RopeOperand<'_, T>,
-    backward: bool,
-    first: usize,
-    out: &mut [T],
-) where
+fn rows_lanes<S, T>(s: S, op: &RopeOperand<'_, T>, backward: bool, first: usize, out: &mut [T])
+where
     S: Simd<T::Acc>,
     T: Lanes<S>,
 {

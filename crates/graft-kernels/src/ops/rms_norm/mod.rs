@@ -2,11 +2,17 @@
 //! semantics of PyTorch's `_fused_rms_norm` / `_fused_rms_norm_backward` reference composite,
 //! and the variants models write by hand ([`WeightMode`], for torchgraft::rms_norm).
 
+mod rows;
+
+use self::rows::{BackwardRows, ForwardRows};
 use crate::blocks;
-use crate::dispatch::kernels;
 use crate::float::{Acc, Float};
+use crate::isa::Isa;
 use crate::parallel::Parallel;
-use crate::rows::{BackwardRows, ForwardRows};
+use crate::simd::portable::Portable;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::x86::{Avx2, Avx512};
+use crate::tables::select_table;
 
 /// Forward work per block, in elements (rows are never split). Blocks are the unit tasks own.
 const FORWARD_BLOCK_ELEMS: usize = 1 << 14;
@@ -250,4 +256,77 @@ fn check_len(func: &str, what: &str, got: usize, want: usize) {
         got == want,
         "{func}: `{what}` has {got} elements, expected {want}"
     );
+}
+
+/// RMSNorm's row kernels for element type `T`, compiled for one instruction set.
+struct Kernels<T: Float> {
+    /// [`rows::forward`] over a block of rows.
+    forward: fn(ForwardRows<'_, T>),
+    /// [`rows::backward`] over a block of rows.
+    backward: fn(BackwardRows<'_, T>),
+    /// [`rows::accumulate`].
+    accumulate: fn(&mut [T::Acc], &[T::Acc]),
+}
+
+impl<T: Float> Clone for Kernels<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: Float> Copy for Kernels<T> {}
+
+/// The kernels for `T` and [`Isa::current`]: SIMD ones for `f32`, `f64`, `bf16` and `f16`, the
+/// portable ones otherwise.
+fn kernels<T: Float>() -> Kernels<T> {
+    let isa = Isa::current();
+    select_table!(|N| match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => Kernels::<N> {
+            forward: |rows| x86::avx512::forward(Avx512::get(), rows),
+            backward: |rows| x86::avx512::backward(Avx512::get(), rows),
+            accumulate: |acc, part| x86::avx512::accumulate(Avx512::get(), acc, part),
+        },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Kernels::<N> {
+            forward: |rows| x86::avx2::forward(Avx2::get(), rows),
+            backward: |rows| x86::avx2::backward(Avx2::get(), rows),
+            accumulate: |acc, part| x86::avx2::accumulate(Avx2::get(), acc, part),
+        },
+        _ => portable::<N>(),
+    })
+    .unwrap_or_else(portable::<T>)
+}
+
+/// The portable kernels, for any `T`.
+fn portable<T: Float>() -> Kernels<T> {
+    Kernels {
+        forward: |rows| rows::forward(Portable, rows),
+        backward: |rows| rows::backward(Portable, rows),
+        accumulate: |acc, part| rows::accumulate(Portable, acc, part),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::rows::{self, BackwardRows, ForwardRows};
+    use crate::float::Acc;
+    use crate::simd::{Lanes, Simd};
+
+    crate::vectorize::x86_entry_points! { [avx2, avx512]
+        /// [`rows::forward`] compiled for the token `S`.
+        fn forward<T>(s: S, rows: ForwardRows<'_, T>)
+        where [T: Lanes<S>, T::Acc: Lanes<S>, S: Simd<T::Acc>]
+        { rows::forward(s, rows) }
+
+        /// [`rows::backward`] compiled for the token `S`.
+        fn backward<T>(s: S, rows: BackwardRows<'_, T>)
+        where [T: Lanes<S>, T::Acc: Lanes<S>, S: Simd<T::Acc>]
+        { rows::backward(s, rows) }
+
+        /// [`rows::accumulate`] compiled for the token `S`.
+        fn accumulate<A>(s: S, acc: &mut [A], part: &[A])
+        where [A: Acc + Lanes<S>, S: Simd<A>]
+        { rows::accumulate(s, acc, part) }
+    }
 }

@@ -11,6 +11,7 @@ use crate::blocks;
 use crate::float::{Acc, Float};
 #[cfg(target_arch = "x86_64")]
 use crate::isa::Isa;
+use crate::ops::convert::Convert;
 use crate::parallel::Parallel;
 
 /// Which update: Adam (L2 penalty added to the gradient) or AdamW (decoupled weight decay).
@@ -112,7 +113,7 @@ pub const fn lanes<T>() -> usize {
 
 /// The per-step constants, in the accumulation type, computed as ATen computes them.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Coeffs<A> {
+struct Coeffs<A> {
     grad_scale: A,
     sign: A,
     weight_decay: A,
@@ -165,7 +166,7 @@ impl<A: AdamMath> Coeffs<A> {
 
 /// A piece of one parameter's buffers; elements from `tail` on take ATen's scalar-loop rounding.
 #[derive(Debug)]
-pub(crate) struct Chunk<'a, T> {
+struct Chunk<'a, T> {
     param: &'a mut [T],
     grad: &'a mut [T],
     exp_avg: &'a mut [T],
@@ -298,10 +299,10 @@ fn run_split<T: AdamFloat, const STORE: bool, const DECAY: bool, const SMALL: bo
     run_range::<T, true, STORE, DECAY, SMALL>(c, p1, g1, m1, v1, mx1);
 }
 
-/// Updates a chunk; inlined into the instruction-set entry points (simd/x86.rs), so that the
-/// fused multiply-adds compile to FMA instructions there.
+/// Updates a chunk; inlined into the instruction-set entry point (`x86`), so that the fused
+/// multiply-adds compile to FMA instructions there.
 #[inline(always)]
-pub(crate) fn run_chunk<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
+fn run_chunk<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
     if std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>() {
         run_widened(c, chunk);
     } else {
@@ -334,8 +335,8 @@ const BLOCK: usize = 1024;
 fn run_widened<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
     let zero = T::Acc::ZERO;
     // The conversions, looked up once (a lookup per call would cost as much as a block).
-    let kernels = crate::dispatch::kernels::<T>();
-    let (widen, narrow) = (kernels.widen, kernels.narrow);
+    let cv = Convert::<T>::new();
+    let (widen, narrow) = (cv.widen, cv.narrow);
     let mut buf = [[zero; BLOCK]; 5];
     let len = chunk.param.len();
     let mut max = chunk.max_exp_avg_sq;
@@ -380,11 +381,24 @@ fn run_widened<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
     }
 }
 
+/// The chunk update compiled with AVX2 and FMA, as ATen's kernel is (also on AVX-512 CPUs).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{run_chunk, AdamFloat, Chunk, Coeffs};
+
+    crate::vectorize::x86_entry_points! { [avx2]
+        /// [`run_chunk`] compiled for AVX2, FMA and F16C.
+        fn update_chunk<T>(_: S, c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>)
+        where [T: AdamFloat]
+        { run_chunk(c, chunk) }
+    }
+}
+
 fn dispatch_chunk<T: AdamFloat>(c: &Coeffs<T::Acc>, chunk: Chunk<'_, T>) {
     #[cfg(target_arch = "x86_64")]
     if Isa::current() != Isa::Portable {
         if let Some(token) = crate::simd::x86::Avx2::detect() {
-            return token.adam_chunk(c, chunk);
+            return x86::avx2::update_chunk(token, c, chunk);
         }
     }
     run_chunk(c, chunk)

@@ -1,4 +1,4 @@
-//! Row kernels written once against [`Simd`]/[`Lanes`], compiled per token.
+//! RMSNorm's row kernels, written once against [`Simd`]/[`Lanes`] and compiled per token.
 //!
 //! Every function here is `#[inline(always)]`, and none takes a closure: each must be inlined
 //! into a token's entry point (for x86, a `#[target_feature]` function), or its intrinsics would
@@ -9,10 +9,10 @@
 //! streaming while the core computes.
 
 use crate::float::{Acc, Float};
-use crate::simd::{load_exact_part, load_part, store_part, Lanes, Simd};
+use crate::simd::{load_part, store_part, Lanes, Simd};
 
 /// One block of whole rows for the forward kernel.
-pub(crate) struct ForwardRows<'a, T: Float> {
+pub(super) struct ForwardRows<'a, T: Float> {
     /// Input rows, `rows * cols` elements.
     pub x: &'a [T],
     /// Output rows, like `x`.
@@ -30,7 +30,7 @@ pub(crate) struct ForwardRows<'a, T: Float> {
 }
 
 /// One block of whole rows for the backward kernel.
-pub(crate) struct BackwardRows<'a, T: Float> {
+pub(super) struct BackwardRows<'a, T: Float> {
     /// Output gradient rows, `rows * cols` elements.
     pub dy: &'a [T],
     /// Input rows, like `dy`.
@@ -61,7 +61,7 @@ fn row_and_next<T>(data: &[T], cols: usize, i: usize) -> (&[T], &[T]) {
 /// `y = (x * rstd) * weight` per row, with `rstd = 1 / sqrt(mean(x^2) + eps)` (`x * rstd`
 /// rounded to `T` first with `round_first`).
 #[inline(always)]
-pub(crate) fn forward<S, T>(s: S, rows: ForwardRows<'_, T>)
+pub(super) fn forward<S, T>(s: S, rows: ForwardRows<'_, T>)
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -163,7 +163,7 @@ where
 /// Per row: `xhat = x * rstd`, `g = dy * weight`, `dx = (g - xhat * mean(g * xhat)) * rstd`, and
 /// `dw += dy * xhat` (`xhat` rounded to `T` with `round_first`) into the block's partial.
 #[inline(always)]
-pub(crate) fn backward<S, T>(s: S, rows: BackwardRows<'_, T>)
+pub(super) fn backward<S, T>(s: S, rows: BackwardRows<'_, T>)
 where
     S: Simd<T::Acc>,
     T: Lanes<S>,
@@ -368,53 +368,9 @@ where
     }
 }
 
-/// `dst = src` widened to `T::Acc`.
-#[inline(always)]
-pub(crate) fn widen<S, T>(s: S, src: &[T], dst: &mut [T::Acc])
-where
-    S: Simd<T::Acc>,
-    T: Lanes<S>,
-    T::Acc: Lanes<S>,
-{
-    let full = src.len() / S::LANES * S::LANES;
-    let (src, src_tail) = src.split_at(full);
-    let (dst, dst_tail) = dst.split_at_mut(full);
-    for (src, dst) in src
-        .chunks_exact(S::LANES)
-        .zip(dst.chunks_exact_mut(S::LANES))
-    {
-        T::Acc::store(s, T::load_exact(s, src), dst);
-    }
-    if !src_tail.is_empty() {
-        store_part(s, load_exact_part(s, src_tail), dst_tail);
-    }
-}
-
-/// `dst = src` narrowed to `T` (rounding as [`Float::from_acc`]).
-#[inline(always)]
-pub(crate) fn narrow<S, T>(s: S, src: &[T::Acc], dst: &mut [T])
-where
-    S: Simd<T::Acc>,
-    T: Lanes<S>,
-    T::Acc: Lanes<S>,
-{
-    let full = src.len() / S::LANES * S::LANES;
-    let (src, src_tail) = src.split_at(full);
-    let (dst, dst_tail) = dst.split_at_mut(full);
-    for (src, dst) in src
-        .chunks_exact(S::LANES)
-        .zip(dst.chunks_exact_mut(S::LANES))
-    {
-        T::store(s, T::Acc::load(s, src), dst);
-    }
-    if !src_tail.is_empty() {
-        store_part(s, load_part(s, src_tail), dst_tail);
-    }
-}
-
 /// `acc += part`, lane by lane (the fixed-order reduction of weight-gradient partials).
 #[inline(always)]
-pub(crate) fn accumulate<S, A>(s: S, acc: &mut [A], part: &[A])
+pub(super) fn accumulate<S, A>(s: S, acc: &mut [A], part: &[A])
 where
     A: Acc + Lanes<S>,
     S: Simd<A>,
