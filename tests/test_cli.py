@@ -22,13 +22,13 @@ import torch
 
 import torchgraft
 from torchgraft import cli, control, native
-from torchgraft._registry import torch_native
 from torchgraft.bench import harness
 from torchgraft.bench import rms_norm as rms_norm_bench
 from torchgraft.bench import routes as bench_routes
 from torchgraft.bench.progress import Progress
 from torchgraft.bench.routes import Route
 from torchgraft.bench.table import format_terminal
+from torchgraft.registry import torch_native
 
 PYTHON_DIR = str(Path(torchgraft.__file__).resolve().parents[1])
 NATIVE = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")

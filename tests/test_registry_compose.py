@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchgraft import registry
-from torchgraft._registry import torch_native
+from torchgraft.registry import torch_native
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from conftest import rel_err
 from torchgraft import registry
-from torchgraft._registry import outputs
 from torchgraft.ops.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
+from torchgraft.registry import outputs
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
 

@@ -27,8 +27,7 @@ from torch._vendor.packaging.version import Version
 
 import torchgraft.dsl as dsl
 from torchgraft import registry
-from torchgraft._registry import env
-from torchgraft.registry import OverrideNode
+from torchgraft.registry import OverrideNode, env
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
 

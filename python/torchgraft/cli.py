@@ -623,7 +623,7 @@ def list_rows() -> list[dict[str, Any]]:
     import torch  # noqa: F401  (libtorch first: the native extension looks it up)
 
     from torchgraft import control, native
-    from torchgraft._registry import torch_native
+    from torchgraft.registry import torch_native
 
     def state(g: native.NativeGraft) -> str:
         if g.active:

@@ -19,7 +19,7 @@ import torch
 
 import torchgraft
 from torchgraft import control, native, registry
-from torchgraft._registry import torch_native
+from torchgraft.registry import torch_native
 
 __all__ = [
     "Route",

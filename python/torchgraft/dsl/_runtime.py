@@ -15,7 +15,7 @@ from typing import Any
 from torch._vendor.packaging.version import InvalidVersion, Version
 
 from .. import registry
-from .._registry import env
+from ..registry import env
 
 _MISSING: Any = object()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch._vendor.packaging.version import Version
 
-from .._registry import env
+from ..registry import env
 from ._runtime import DSLRuntime, find_module, package_version
 
 NAME = "cutedsl"

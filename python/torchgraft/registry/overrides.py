@@ -1,22 +1,9 @@
-"""The graft registry: torch._native's override API on torch 2.11 to 2.15.
+"""Registering and switching overrides: the registry's state and every change to it.
 
-A kernel written in any DSL takes over an op at one backend dispatch key, for every call or
-for the calls its ``cond`` accepts; every other call falls through to the kernel that was there
-before. One router per (op, dispatch key) is installed through ``torch.library``:
-
-* each call tries the conds in order (registration order, or what the ordering function makes
-  of it); the first match runs its impl, whose result is checked against the op's schema and
-  meta (``_registry/outputs.py``);
-* no match calls the previous kernel, captured with ``torch.library.get_kernel`` when the router
-  was installed and called with ``call_boxed`` (captured again whenever what is below changes,
-  ``_registry/slots.py``);
-* inside an impl (or cond), calling the same op again, directly or from nested ops, reaches the
-  previous kernel instead of the router (a per-thread guard), which is how an impl falls back.
-
-Overrides are live as soon as they are registered. ``TORCHGRAFT_DISABLE=1`` (the kill switch) is
-read at every change to the registry: while it is set, registering is a no-op and no router stays
-in the dispatcher (see :func:`apply_kill_switch`). Nothing here imports a DSL. See
-docs/registry.md for the composition order and the environment.
+One router per (op, dispatch key) (:mod:`.dispatch_slot`) carries the enabled overrides of that
+(op, key) in order; each change here (register, deregister / reenable filters, reordering,
+suspending, the kill switch) brings the dispatcher in line with it (:func:`_sync`). Reading the
+state is :mod:`.queries`'. The public functions are re-exported by :mod:`torchgraft.registry`.
 """
 
 from __future__ import annotations
@@ -25,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -34,33 +22,22 @@ from typing import Any
 import torch
 import torch.library
 
-from ._registry import env, slots
-from ._registry.compile import make_compile_router, opaque_op
-from ._registry.nodes import OverrideNode, RouteGuard, always_true
-from ._registry.outputs import OverrideResultError
-from ._registry.slots import Slot
+from . import dispatch_slot, env
+from .dispatch_slot import Slot
+from .info import OverrideInfo, snapshot
+from .nodes import OverrideNode, RouteGuard, always_true
 
 __all__ = [
     "ALLOWED_LIB_SYMBOLS",
-    "FilterState",
-    "OverrideInfo",
-    "OverrideNode",
-    "OverrideResultError",
     "UserOrderingFn",
     "apply_kill_switch",
     "clear_overrides",
     "deregister_op_overrides",
-    "filter_state",
-    "get_dsl_operations",
-    "list_overrides",
-    "native_decomp_table",
     "normalize_op_symbol",
-    "override_stats",
     "reenable_op_overrides",
     "register_op_override",
     "remove_override",
     "reorder_overrides",
-    "reset_stats",
     "suspend_routers",
 ]
 
@@ -84,51 +61,6 @@ _REFUSED_KEYS = frozenset(
         "CompositeExplicitAutogradNonFunctional",
     }
 )
-
-
-@dataclass(frozen=True)
-class OverrideInfo:
-    """A snapshot of one registered override (see :func:`list_overrides`)."""
-
-    dsl: str
-    #: Qualified op, e.g. ``"aten::_fused_rms_norm"`` or ``"aten::add_.Tensor"``.
-    op: str
-    op_symbol: str
-    dispatch_key: str
-    #: Enabled by the filters and kept by the ordering function (never for a missing op).
-    active: bool
-    #: Its router is in the dispatcher right now (False while routers are suspended).
-    installed: bool
-    #: Index in its router's chain (0 is tried first), None when not active.
-    position: int | None
-    unconditional: bool
-    #: The impl takes the DispatchKeySet first (older / seed form).
-    with_keyset: bool
-    #: Times the impl was entered.
-    calls: int
-    #: Calls passed on: the cond said no, or the impl re-entered the op (reaching the kernel below).
-    fallbacks: int
-    #: Key in :func:`override_stats`: ``"<dsl>/<op>/<dispatch_key>"`` (``#2``... for repeats).
-    stats_key: str
-    node_id: str
-    impl: str
-    cond: str | None
-    #: Namespace of the op (``"aten"``).
-    lib_symbol: str = "aten"
-    #: This torch has the op; an override of an op it lacks is kept but never active.
-    op_available: bool = True
-    #: Strict mode: calls compared with the kernel below, and the largest difference seen.
-    shadow_checks: int = 0
-    max_error: float = 0.0
-
-
-@dataclass(frozen=True)
-class FilterState:
-    """What :func:`deregister_op_overrides` has switched off, as :func:`filter_state` reads it."""
-
-    dsl_names: frozenset[str]
-    op_symbols: frozenset[str]
-    dispatch_keys: frozenset[str]
 
 
 @dataclass
@@ -178,6 +110,12 @@ def _normalize_op_symbol(op_symbol: str, lib_symbol: str = "aten") -> str:
     return symbol
 
 
+def normalize_op_symbol(op_symbol: str, lib_symbol: str = "aten") -> str:
+    """An op symbol as the registry keeps it: ``"aten::mm.default"`` and ``"mm"`` are ``"mm"``;
+    other overloads keep their name (``"add.Tensor"``)."""
+    return _normalize_op_symbol(op_symbol, lib_symbol)
+
+
 def _resolve_overload(lib_symbol: str, op_symbol: str) -> torch._ops.OpOverload | None:
     """The op ``lib_symbol::op_symbol``, or None when this torch does not have it."""
     name, _, overload_name = op_symbol.partition(".")
@@ -189,11 +127,14 @@ def _resolve_overload(lib_symbol: str, op_symbol: str) -> torch._ops.OpOverload 
 
 
 def _validate_lib_symbol(lib_symbol: str) -> str:
-    if lib_symbol not in ALLOWED_LIB_SYMBOLS:
+    # Read from the package (torchgraft.registry.ALLOWED_LIB_SYMBOLS), where callers and tests
+    # set it, as when the registry was one module.
+    allowed = getattr(sys.modules[__package__], "ALLOWED_LIB_SYMBOLS", ALLOWED_LIB_SYMBOLS)
+    if lib_symbol not in allowed:
         # "Unsupported lib_symbol" / "is not overridable": the wordings torch._native uses.
         raise ValueError(
             f"Unsupported lib_symbol={lib_symbol!r}: it is not overridable; expected one of "
-            f"{sorted(ALLOWED_LIB_SYMBOLS)}"
+            f"{sorted(allowed)}"
         )
     return lib_symbol
 
@@ -220,14 +161,6 @@ def _names(value: str | Iterable[str] | None, normalize: Callable[[str], str] = 
     if isinstance(value, str):
         return {normalize(value)}
     return {normalize(v) for v in value}
-
-
-def _describe(fn: Callable[..., Any] | None) -> str | None:
-    if fn is None:
-        return None
-    module = getattr(fn, "__module__", None) or ""
-    name = getattr(fn, "__qualname__", None) or repr(fn)
-    return f"{module}.{name}" if module else name
 
 
 def _node_id(op_symbol: str, dsl: str) -> str:
@@ -303,7 +236,7 @@ def _recapture_for(slot: Slot) -> Callable[[], Callable[..., Any]]:
     def recapture() -> Callable[..., Any]:
         with _lock:
             reinstall = bool(slot.chain) and _routers_wanted() and _slots.get(slot.key) is slot
-            return slots.restack(slot, recapture, reinstall=reinstall)
+            return dispatch_slot.restack(slot, recapture, reinstall=reinstall)
 
     return recapture
 
@@ -355,10 +288,10 @@ def _sync(slot: Slot, *, force: bool = False) -> None:
     want_installed = bool(chain) and _routers_wanted()
     if not force and chain == slot.chain and (slot.lib is not None) == want_installed:
         return
-    slots.teardown(slot)
+    dispatch_slot.teardown(slot)
     slot.chain = chain
     if want_installed:
-        slots.install(slot, _recapture_for(slot))
+        dispatch_slot.install(slot, _recapture_for(slot))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -448,7 +381,7 @@ def register_op_override(
                 and node.with_keyset == with_keyset
             ):
                 log.debug("%s is already registered; nothing to do", node.stats_key)
-                return _info(slot, node)  # type: ignore[arg-type]  # a node implies a slot
+                return snapshot(slot, node)  # type: ignore[arg-type]  # a node implies a slot
         if slot is None:
             overload = _resolve_overload(lib, symbol)
             if overload is None:
@@ -481,7 +414,7 @@ def register_op_override(
             _sync(slot, force=True)
             raise
         log.debug("registered %s (active=%s)", node.stats_key, node.active)
-        return _info(slot, node)
+        return snapshot(slot, node)
 
 
 def deregister_op_overrides(
@@ -553,108 +486,6 @@ def reorder_overrides(fn: UserOrderingFn | None) -> None:
             _sync(slot)
 
 
-def _info(slot: Slot, node: OverrideNode) -> OverrideInfo:
-    position = next((i for i, n in enumerate(slot.chain) if n is node), None)
-    return OverrideInfo(
-        dsl=node.dsl_name,
-        op=slot.qualname,
-        op_symbol=node.op_symbol,
-        dispatch_key=node.dispatch_key,
-        active=node.active,
-        installed=slot.lib is not None and position is not None,
-        position=position,
-        unconditional=node.unconditional_override,
-        with_keyset=node.with_keyset,
-        calls=node.calls,
-        fallbacks=node.fallbacks,
-        stats_key=node.stats_key,
-        node_id=node.node_id,
-        impl=_describe(node.impl_fn) or "",
-        cond=None if node.cond_fn is always_true else _describe(node.cond_fn),
-        lib_symbol=slot.lib_symbol,
-        op_available=slot.overload is not None,
-        shadow_checks=node.shadow_checks,
-        max_error=node.max_error,
-    )
-
-
-def list_overrides() -> list[OverrideInfo]:
-    """Every registered override (active or not), by (op, key) then registration order."""
-    with _lock:
-        return [_info(slot, node) for slot in _slots.values() for node in slot.nodes]
-
-
-def _node_stats(node: OverrideNode) -> dict[str, float]:
-    stats: dict[str, float] = {"calls": node.calls, "fallbacks": node.fallbacks}
-    if node.shadow_checks:
-        stats["shadow_checks"] = node.shadow_checks
-        stats["max_error"] = node.max_error
-    return stats
-
-
-def filter_state() -> FilterState:
-    """The DSL names, op symbols and dispatch keys :func:`deregister_op_overrides` has switched
-    off (and :func:`reenable_op_overrides` not yet back on)."""
-    with _lock:
-        return FilterState(
-            frozenset(_filters.dsl_names),
-            frozenset(_filters.op_symbols),
-            frozenset(_filters.dispatch_keys),
-        )
-
-
-def normalize_op_symbol(op_symbol: str, lib_symbol: str = "aten") -> str:
-    """An op symbol as the registry keeps it: ``"aten::mm.default"`` and ``"mm"`` are ``"mm"``;
-    other overloads keep their name (``"add.Tensor"``)."""
-    return _normalize_op_symbol(op_symbol, lib_symbol)
-
-
-def get_dsl_operations(dsl_name: str, lib_symbol: str = "aten") -> list[str]:
-    """The op symbols ``dsl_name`` has overrides for in namespace ``lib_symbol``, sorted.
-
-    torch._native's function of the same name and meaning (one namespace per call: op symbols
-    are unique within a namespace, not across them).
-    """
-    with _lock:
-        return sorted(
-            {
-                slot.op_symbol
-                for slot in _slots.values()
-                if slot.lib_symbol == lib_symbol and any(n.dsl_name == dsl_name for n in slot.nodes)
-            }
-        )
-
-
-def override_stats() -> dict[str, dict[str, float]]:
-    """``{"<dsl>/<op>/<key>": {"calls": n, "fallbacks": m}}`` for every registered override.
-
-    ``calls`` counts the times the impl was entered (eager router and compiled graphs alike).
-    ``fallbacks`` counts the calls this override passed on to what is below it: its cond
-    returned False (the call went on to the next override or the previous kernel), or its impl
-    called the op again and so reached the previous kernel (the seed's ``_smart_rms_norm`` gate
-    for small shapes). Counts are plain integers; under heavy multithreading they may miss a few.
-
-    In strict mode (``TORCHGRAFT_STRICT=1``) an override whose results were compared with the
-    kernel below also has ``shadow_checks`` (how many) and ``max_error`` (the largest absolute
-    elementwise difference seen; ``inf`` where NaNs, None or shapes disagreed).
-    """
-    with _lock:
-        return {
-            node.stats_key: _node_stats(node) for slot in _slots.values() for node in slot.nodes
-        }
-
-
-def reset_stats() -> None:
-    """Set every override's counters (and strict-mode errors) back to zero."""
-    with _lock:
-        for slot in _slots.values():
-            for node in slot.nodes:
-                node.calls = 0
-                node.fallbacks = 0
-                node.shadow_checks = 0
-                node.max_error = 0.0
-
-
 @contextlib.contextmanager
 def suspend_routers() -> Iterator[None]:
     """Take every router out of the dispatcher for the duration of the block.
@@ -670,7 +501,7 @@ def suspend_routers() -> Iterator[None]:
         _suspend_depth += 1
         if _suspend_depth == 1:
             for slot in _slots.values():
-                slots.teardown(slot)
+                dispatch_slot.teardown(slot)
     try:
         yield
     finally:
@@ -712,55 +543,10 @@ def clear_overrides() -> None:
     global _order_fn
     with _lock:
         for slot in _slots.values():
-            slots.teardown(slot)
+            dispatch_slot.teardown(slot)
         _slots.clear()
         _compile_routers.clear()
         _filters.dsl_names.clear()
         _filters.op_symbols.clear()
         _filters.dispatch_keys.clear()
         _order_fn = None
-
-
-def _compile_lookup(lib_symbol: str, op_symbol: str) -> Callable[[str], Any]:
-    def lookup(dispatch_key: str) -> tuple[tuple[OverrideNode, ...], RouteGuard] | None:
-        slot = _slots.get((lib_symbol, op_symbol, dispatch_key))
-        if slot is None or not slot.chain:
-            return None
-        return slot.chain, slot.guard
-
-    return lookup
-
-
-def native_decomp_table(overrides_only: bool = False) -> dict[Any, Callable[..., Any]]:
-    """Decompositions that carry the active overrides into compiled and exported graphs.
-
-    Each overridden aten overload maps to a "compile router" that, while tracing, picks the
-    override the eager router would pick for the arguments' device and emits its opaque op
-    ``torchgraft_overrides::<node_id>`` (which runs the impl when the graph runs); with no match
-    it returns NotImplemented so the op is traced as usual. Use it with
-    ``ExportedProgram.run_decompositions(native_decomp_table())`` or as the ``decompositions`` of
-    a torch.compile backend (e.g. ``aot_autograd(..., decompositions=native_decomp_table())``).
-
-    Args:
-        overrides_only: Only the override entries; otherwise they are layered over
-            ``torch.export.default_decompositions()`` and win on conflicts.
-    """
-    table: dict[Any, Callable[..., Any]] = {}
-    if not overrides_only:
-        from torch.export import default_decompositions
-
-        table.update(default_decompositions())
-    with _lock:
-        for slot in _slots.values():
-            overload = slot.overload
-            if not slot.chain or overload is None:
-                continue
-            for node in slot.chain:
-                opaque_op(node, overload, slot.guard)  # define outside of any tracing
-            router = _compile_routers.get(overload)
-            if router is None:
-                lookup = _compile_lookup(slot.lib_symbol, slot.op_symbol)
-                router = make_compile_router(overload, lookup)
-                _compile_routers[overload] = router
-            table[overload] = router
-    return table

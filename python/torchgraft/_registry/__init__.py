@@ -1,1 +1,0 @@
-"""Internals of :mod:`torchgraft.registry` (the Python route into the dispatcher)."""
