@@ -1,6 +1,7 @@
 """Per-DSL override helpers: ``torchgraft.dsl.<name>.register_op_override(...)``.
 
-Each of :mod:`.triton`, :mod:`.cutedsl`, :mod:`.helion`, :mod:`.cutile` and :mod:`.native` has
+Each of :mod:`.triton`, :mod:`.cutedsl`, :mod:`.helion`, :mod:`.cutile` and ``native``
+(:mod:`.extension`: overrides whose impl calls torchgraft's compiled extension) has
 ``runtime_available()``, ``runtime_version()``, ``register_op_override(...)`` (torch 2.13's form
 and the older keyset-first form of the seeds), ``deregister_op_overrides()`` and
 ``reenable_op_overrides()``. None of them imports its DSL.
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import cutedsl, cutile, helion, native, triton
+from . import cutedsl, cutile, extension, helion, triton
+
+#: The ``"native"`` DSL's helpers under their documented name, ``torchgraft.dsl.native``.
+native = extension
 
 #: DSL name -> its helper module.
-DSLS: dict[str, ModuleType] = {m.NAME: m for m in (triton, cutedsl, helion, cutile, native)}
+DSLS: dict[str, ModuleType] = {m.NAME: m for m in (triton, cutedsl, helion, cutile, extension)}
 
 
 def dsl_versions() -> dict[str, str | None]:
@@ -25,4 +29,4 @@ def dsl_versions() -> dict[str, str | None]:
     return result
 
 
-__all__ = ["DSLS", "cutedsl", "cutile", "dsl_versions", "helion", "native", "triton"]
+__all__ = ["DSLS", "cutedsl", "cutile", "dsl_versions", "extension", "helion", "native", "triton"]

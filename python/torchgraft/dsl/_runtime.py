@@ -112,11 +112,6 @@ class DSLRuntime:
                 return version
         return None
 
-    def version_ok(self) -> bool:
-        """Whether the installed version passes the gate (``TORCHGRAFT_SKIP_VERSION_CHECK=1``
-        passes any version)."""
-        return self.unusable_reason() is None
-
     def unusable_reason(self) -> str | None:
         """Why overrides of this DSL would not be registered now, or None when they would."""
         if env.env_flag(env.TORCH_DISABLE_NATIVE_JIT_ENV):
