@@ -3,7 +3,7 @@ context of one :func:`torchgraft.adopt` call."""
 
 from __future__ import annotations
 
-import importlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,13 +100,19 @@ class Context:
 def _lookup(name: str) -> tuple[Callable[..., object] | None, str]:
     missing = f"op not available in this build: {FUNCTIONAL}.{name}"
     try:
-        module = importlib.import_module(FUNCTIONAL)
+        # adopt -> functional, never back. Imported here, on the first lookup, not with
+        # torchgraft: importing functional defines the torchgraft:: ops (it needs the compiled
+        # extension), and importing torchgraft changes nothing.
+        import torchgraft.functional  # noqa: F401  (read from sys.modules below)
     except ModuleNotFoundError as e:
         if e.name is not None and FUNCTIONAL.startswith(e.name):
             return None, missing
         return None, f"{missing} ({FUNCTIONAL} failed to import: {e})"
     except Exception as e:
         return None, f"{missing} ({FUNCTIONAL} failed to import: {type(e).__name__}: {e})"
+    # The module as imported (sys.modules), which a test or a build may have replaced; the
+    # package attribute keeps the first one.
+    module = sys.modules[FUNCTIONAL]
     op = getattr(module, name, None)
     return (op, "") if callable(op) else (None, missing)
 
