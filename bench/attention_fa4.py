@@ -35,8 +35,8 @@ from torchgraft import registry
 from torchgraft.bench.harness import versions
 from torchgraft.bench.timing import measure
 from torchgraft.dsl import cutedsl
-from torchgraft.ops import attention
-from torchgraft.ops.attention import crossover
+from torchgraft.grafts import attention
+from torchgraft.grafts.attention import crossover
 
 TOKENS = 16384
 SEQS = (1024, 2048, 4096, 8192, 16384)

@@ -15,9 +15,9 @@
 #
 # $OUT gets (8 files at most come back): check.log (everything printed), doctor.json,
 # tests.xml (junit), attention_fa4.json, attention_crossover.json (copy to
-# python/torchgraft/ops/attention/crossover.json), rms_norm/<stem>.json and .md (quack vs
+# python/torchgraft/grafts/attention/crossover.json), rms_norm/<stem>.json and .md (quack vs
 # native vs Triton vs Helion vs ATen), helion_configs.json (copy to
-# python/torchgraft/ops/rms_norm/helion_configs.json). A stage that runs out of time leaves
+# python/torchgraft/grafts/rms_norm/helion_configs.json). A stage that runs out of time leaves
 # what it wrote (the FA4 sweep writes after every problem).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,7 @@ For RMSNorm, RoPE and SwiGLU, a forward (with gradients recorded) and a forward 
 back to back, with one synchronisation at the end of each sample. Three routes run in one
 process, in alternating rounds:
 - ``functional``: ``torchgraft.functional.*``, the direct eager path
-  (torchgraft.ops.eager_autograd);
+  (torchgraft.common.eager_autograd);
 - ``registered``: the same op called as ``torch.ops.torchgraft.*``, through the autograd that
   ``torch.library.register_autograd`` gives it (what ``functional`` ran before);
 - ``eager``: the composite of aten ops that the fused op replaces.

@@ -5,7 +5,7 @@
 
 For each (kernel, dtype, hidden) it runs Helion's autotuner on a (rows, hidden) problem and
 records the best config, minimized to what differs from Helion's defaults. The committed
-table ``python/torchgraft/ops/rms_norm/helion_configs.json``, with the tuned entries replacing
+table ``python/torchgraft/grafts/rms_norm/helion_configs.json``, with the tuned entries replacing
 or joining its own, is printed and written to ``--out`` (copy it there and commit). Problems
 start in order until ``--budget`` seconds have passed; a tune takes roughly 40-90 s with
 ``--effort quick`` on an H100. Each tuned config is checked against the float64 reference
@@ -24,7 +24,7 @@ import torch
 
 from torchgraft.bench.harness import versions
 from torchgraft.dsl import helion as helion_dsl
-from torchgraft.ops.rms_norm import helion_configs, rms_norm_reference
+from torchgraft.grafts.rms_norm import helion_configs, rms_norm_reference
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -33,7 +33,7 @@ def tune(kernel_name: str, dtype: torch.dtype, rows: int, hidden: int, effort: s
     """The best config (Helion JSON, minimized) for one kernel and problem."""
     import helion
 
-    from torchgraft.ops.rms_norm import helion_kernels
+    from torchgraft.grafts.rms_norm import helion_kernels
 
     x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     w = torch.randn(hidden, device="cuda", dtype=dtype)

@@ -49,7 +49,7 @@ if "--cpu-dry-run" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torchgraft.ops.rms_norm import (  # noqa: E402
+from torchgraft.grafts.rms_norm import (  # noqa: E402
     cond,
     impl,
     rms_norm_backward_reference,
@@ -166,7 +166,7 @@ def correctness_cases(
 
 def check_kernels(dev: str, quick: bool, dry: bool) -> dict[str, Any]:
     """Launchers on poisoned outputs vs the float64 reference; aten's error alongside."""
-    from torchgraft.ops.rms_norm import triton_kernels as tk
+    from torchgraft.grafts.rms_norm import triton_kernels as tk
 
     records = []
     eps = 1e-6
@@ -293,7 +293,7 @@ def check_determinism(dev: str, dry: bool) -> bool:
 
 def check_custom_op(dev: str, dry: bool) -> dict[str, Any]:
     """gradcheck in float64 and torch.compile (fullgraph) of the triton_op custom op."""
-    from torchgraft.ops.rms_norm import rms_norm
+    from torchgraft.grafts.rms_norm import rms_norm
 
     out: dict[str, Any] = {}
     x = torch.randn(3, 5, 37, dtype=torch.float64, device=dev, requires_grad=True)
@@ -333,7 +333,7 @@ MEMCHECK_CHILD = "--memcheck-child"
 
 def memcheck_child() -> None:
     """Runs every kernel path on small problems (the child of compute-sanitizer)."""
-    from torchgraft.ops.rms_norm import triton_kernels as tk
+    from torchgraft.grafts.rms_norm import triton_kernels as tk
 
     for dtype in (torch.bfloat16, torch.float32):
         for n, rows in ((100, 37), (4096, 33), (20000, 5)):
@@ -383,7 +383,7 @@ def run_memcheck() -> dict[str, Any]:
 
 
 def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> dict[str, Any]:
-    from torchgraft.ops.rms_norm import rms_norm
+    from torchgraft.grafts.rms_norm import rms_norm
 
     timer = make_timer(dev)
     eps = 1e-6
@@ -401,7 +401,7 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
     compiled = torch.compile(rms_norm_eager_upcast) if not dry else rms_norm_eager_upcast
     # The bare launchers on preallocated outputs: the impl's host work (allocation, checks)
     # should stay hidden under do_bench; a gap between impl and kernel would show it is not.
-    from torchgraft.ops.rms_norm import triton_kernels as tk
+    from torchgraft.grafts.rms_norm import triton_kernels as tk
 
     x2, dy2 = x.view(rows, n), dy.view(rows, n)
     y_pre, dx_pre, dw_pre = torch.empty_like(x2), torch.empty_like(x2), torch.empty_like(w)
@@ -553,7 +553,7 @@ def speed(dev: str, shape: tuple[int, ...], dtype: torch.dtype, dry: bool) -> di
 
 def variant_plans() -> dict[str, tuple[int, list[Any]]]:
     """Launch configs to compare: name -> (hidden size, configs); the defaults are included."""
-    from torchgraft.ops.rms_norm import triton_kernels as tk
+    from torchgraft.grafts.rms_norm import triton_kernels as tk
 
     fc, bc = tk.ForwardConfig, tk.BackwardConfig
     fwd_4096 = [fc(4096, rows, warps, True) for rows, warps in
@@ -585,7 +585,7 @@ def time_variant(
     ref: tuple[torch.Tensor, ...],
 ) -> dict[str, Any]:
     """Times one launch config; its error against the reference outputs ``ref``."""
-    from torchgraft.ops.rms_norm import triton_kernels as tk
+    from torchgraft.grafts.rms_norm import triton_kernels as tk
 
     outs = (torch.empty_like(x), torch.empty_like(w) if backward else torch.empty_like(rstd))
 
@@ -605,7 +605,7 @@ def time_variant(
 
 def variants(dev: str, dry: bool) -> dict[str, Any]:
     """Every plan's configs on bf16 rows (32768 rows of 4096, 8192 of 16384)."""
-    from torchgraft.ops.rms_norm import triton_kernels as tk
+    from torchgraft.grafts.rms_norm import triton_kernels as tk
 
     timer = make_timer(dev)
     out: dict[str, Any] = {}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import torchgraft
 from torchgraft import registry
-from torchgraft.ops.rms_norm.impl import fused_rms_norm_impl
+from torchgraft.grafts.rms_norm.triton_impl import fused_rms_norm_impl
 
 SHAPE, HIDDEN = (4, 4096), 4096
 

@@ -14,7 +14,7 @@ the Triton impls (what the graft runs after its cond) and aten's ``_fused_rms_no
 
 The Triton route wins a problem when it is faster both ways. Per dtype and hidden size the
 crossover is the fewest rows from which it wins at every larger row count of the sweep; the
-script prints tables in the format of ``python/torchgraft/ops/rms_norm/crossover.py`` and
+script prints tables in the format of ``python/torchgraft/grafts/rms_norm/triton_crossover.py`` and
 writes a markdown table and JSON to $OUT (or bench/results/). Dtypes are swept in the order
 given until ``--budget`` seconds have passed. ``--cpu-dry-run`` checks the script on CPU under
 TRITON_INTERPRET=1 with tiny sizes.
@@ -40,7 +40,8 @@ if "--cpu-dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-from torchgraft.ops.rms_norm import cond, impl  # noqa: E402
+from torchgraft.grafts.rms_norm import triton_cond as cond  # noqa: E402
+from torchgraft.grafts.rms_norm import triton_impl as impl  # noqa: E402
 
 HIDDEN = [1024, 2048, 3072, 4096, 5120, 8192, 12288, 16384]
 ROWS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 32768]
@@ -221,7 +222,7 @@ def main() -> None:
     table = markdown(results, env, rows_list)
     (out_dir / f"{stem}.md").write_text(table + "\n")
     print(table)
-    print("Suggested crossover (paste into python/torchgraft/ops/rms_norm/crossover.py):")
+    print("Suggested crossover (paste into python/torchgraft/grafts/rms_norm/triton_crossover.py):")
     for table_name, groups in suggestion.items():
         print(f"{table_name} = {{")
         for group, pairs in groups.items():

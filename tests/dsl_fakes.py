@@ -71,9 +71,9 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     # torchgraft's kernel modules imported a fake: they must import the real one next time.
     forget_modules_under(
         root,
-        "torchgraft.ops.attention.fa4_kernels",
-        "torchgraft.ops.rms_norm.quack_kernels",
-        "torchgraft.ops.rms_norm.helion_kernels",
+        "torchgraft.grafts.attention.fa4_kernels",
+        "torchgraft.grafts.rms_norm.quack_kernels",
+        "torchgraft.grafts.rms_norm.helion_kernels",
     )
     clear_caches()
     reset_kernel_modules()
@@ -81,8 +81,8 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 
 def reset_kernel_modules() -> None:
     """Make every lazily imported kernel module import afresh (and forget failed imports)."""
-    from torchgraft.ops.attention.impl import FA4
-    from torchgraft.ops.rms_norm.dsl_impl import HELION, QUACK
+    from torchgraft.grafts.attention.fa4_impl import FA4
+    from torchgraft.grafts.rms_norm.dsl_impl import HELION, QUACK
 
     for kernels in (FA4, QUACK, HELION):
         kernels.reset()

@@ -20,9 +20,11 @@ from dsl_fakes import (
     write_module,
 )
 from torchgraft import registry
-from torchgraft.ops.attention import attention_reference, cond, crossover, impl, support
-from torchgraft.ops.attention.crossover import Row, Table
-from torchgraft.ops.attention.support import Problem, problem_reason
+from torchgraft.grafts.attention import attention_reference, crossover, support
+from torchgraft.grafts.attention import fa4_cond as cond
+from torchgraft.grafts.attention import fa4_impl as impl
+from torchgraft.grafts.attention.crossover import Row, Table
+from torchgraft.grafts.attention.support import Problem, problem_reason
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
 

@@ -19,9 +19,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from conftest import rel_err
 from torchgraft import registry
 from torchgraft.dsl import cutedsl
-from torchgraft.ops import attention
-from torchgraft.ops.attention import attention_reference, crossover, impl
-from torchgraft.ops.attention.crossover import Row, Table
+from torchgraft.grafts import attention
+from torchgraft.grafts.attention import attention_reference, crossover
+from torchgraft.grafts.attention import fa4_impl as impl
+from torchgraft.grafts.attention.crossover import Row, Table
 
 
 def _fa4_unusable() -> str | None:

@@ -26,7 +26,7 @@ from dsl_fakes import (
 from torchgraft import registry
 from torchgraft.dsl import cutedsl, cutile, helion
 from torchgraft.dsl.lazy import LazyKernels
-from torchgraft.ops.rms_norm import dsl_impl
+from torchgraft.grafts.rms_norm import dsl_impl
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
 
@@ -292,7 +292,7 @@ def test_broken_dsl_falls_back_to_the_kernel_below(monkeypatch):
         registry.clear_overrides()
         y_aten, rstd_aten = torch.ops.aten._fused_rms_norm(x, [32], w, 1e-5)
         assert torch.equal(y, y_aten) and torch.equal(rstd, rstd_aten)
-        from torchgraft.ops.rms_norm.registration import notes
+        from torchgraft.grafts.rms_norm.registration import notes
 
         assert notes()[("cutedsl", "_fused_rms_norm")].startswith("nothing: import failed")
     finally:

@@ -1,4 +1,4 @@
-"""torchgraft.ops.eager_autograd: the functional ops' direct eager path gives what the
+"""torchgraft.common.eager_autograd: the functional ops' direct eager path gives what the
 registered autograd gives, and tracers, transforms and subclasses still see the op."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from conftest import rel_err
 from torchgraft import functional as tgf
-from torchgraft.ops.eager_autograd import autograd_caller
+from torchgraft.common.eager_autograd import autograd_caller
 from torchgraft.ops.rope.reference import rope_reference
 
 

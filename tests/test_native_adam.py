@@ -9,7 +9,7 @@ import torch
 import torchgraft
 from torchgraft import native
 from torchgraft.cli import list_rows
-from torchgraft.ops.adam.reference import AdamConfig, AdamState, adam_step_reference
+from torchgraft.grafts.adam.reference import AdamConfig, AdamState, adam_step_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torchgraft
 from torchgraft import native
 from torchgraft.cli import list_rows
-from torchgraft.ops.layer_norm.reference import (
+from torchgraft.grafts.layer_norm.reference import (
     layer_norm_backward_reference,
     layer_norm_reference,
 )

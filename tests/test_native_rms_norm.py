@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import torchgraft
 from torchgraft import native
-from torchgraft.ops.rms_norm.reference import (
+from torchgraft.grafts.rms_norm.reference import (
     rms_norm_backward_reference,
     rms_norm_reference,
 )

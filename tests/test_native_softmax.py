@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torchgraft
 from torchgraft import native
 from torchgraft.cli import list_rows
-from torchgraft.ops.softmax.reference import softmax_backward_reference, softmax_reference
+from torchgraft.grafts.softmax.reference import softmax_backward_reference, softmax_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import torchgraft
 from torchgraft import native
-from torchgraft.ops.softmax.reference import softmax_backward_reference, softmax_reference
+from torchgraft.grafts.softmax.reference import softmax_backward_reference, softmax_reference
 
 pytestmark = [
     pytest.mark.cuda,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from conftest import rel_err
 from torchgraft import registry
-from torchgraft.ops.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
+from torchgraft.grafts.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
 from torchgraft.registry import outputs
 
 pytestmark = pytest.mark.usefixtures("clean_overrides")
@@ -393,7 +393,7 @@ def test_cuda_impl_returning_a_cpu_tensor_is_an_error():
 def test_triton_rms_norm_under_strict_mode_matches_aten(monkeypatch, dtype):
     # Shadow verification on the GPU: torchgraft's Triton RMSNorm against ATen's CUDA kernels
     # below it, forward and backward, at a size its cond takes (the headline shape).
-    from torchgraft.ops import rms_norm
+    from torchgraft.grafts import rms_norm
 
     monkeypatch.setenv("TORCHGRAFT_STRICT", "1")
     rms_norm.register()

@@ -306,7 +306,7 @@ class _CowStateWrapperTensor(torch.Tensor):
 def test_is_cow_tensor_rejects_python_tensor_subclasses():
     """test_is_cow_tensor_rejects_python_tensor_subclasses: torch 2.15 raises for these; the
     Triton RMSNorm cond's COW check must still answer (False: no storage to materialize)."""
-    from torchgraft.ops.rms_norm.cond import _is_cow
+    from torchgraft.grafts.rms_norm.triton_cond import _is_cow
 
     x = _CowStateWrapperTensor(torch.tensor([2.0, 3.0]))
     assert _is_cow(x) is False

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 from torchgraft import registry
 from torchgraft.dsl import helion as helion_dsl
-from torchgraft.ops.rms_norm import (
+from torchgraft.grafts.rms_norm import (
     dsl_cond,
     dsl_impl,
     helion_configs,

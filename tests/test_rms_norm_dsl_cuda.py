@@ -12,7 +12,7 @@ from conftest import rel_err
 from torchgraft import native, registry
 from torchgraft.dsl import cutedsl
 from torchgraft.dsl import helion as helion_dsl
-from torchgraft.ops.rms_norm import (
+from torchgraft.grafts.rms_norm import (
     dsl_cond,
     dsl_impl,
     helion_configs,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._decomp import decomposition_table
 
-from torchgraft.ops.rms_norm import (
+from torchgraft.grafts.rms_norm import (
     default_eps,
     rms_norm_backward_reference,
     rms_norm_eager_same_dtype,

@@ -14,16 +14,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torchgraft.ops.rms_norm import (
-    cond,
-    crossover,
-    impl,
-    registration,
-    rms_norm_backward_reference,
-    rms_norm_reference,
-)
+from torchgraft.grafts.rms_norm import registration, rms_norm_backward_reference, rms_norm_reference
+from torchgraft.grafts.rms_norm import triton_cond as cond
+from torchgraft.grafts.rms_norm import triton_crossover as crossover
+from torchgraft.grafts.rms_norm import triton_impl as impl
 
-tk = pytest.importorskip("torchgraft.ops.rms_norm.triton_kernels")
+tk = pytest.importorskip("torchgraft.grafts.rms_norm.triton_kernels")
 
 INTERPRETED = type(tk._rms_norm_fwd_kernel).__name__ == "InterpretedFunction"
 needs_interpreter = pytest.mark.skipif(
@@ -368,9 +364,10 @@ def test_register_installs_both_ops_at_cuda_and_deregister_removes_only_them(cle
 
 def test_importing_the_package_does_not_import_triton():
     code = (
-        "import sys, torchgraft.ops.rms_norm as m\n"
-        "from torchgraft.ops.rms_norm import cond, impl, registration, crossover\n"
-        "assert callable(m.register) and callable(impl.fused_rms_norm_impl)\n"
+        "import sys, torchgraft.grafts.rms_norm as m\n"
+        "from torchgraft.grafts.rms_norm import registration, triton_cond, triton_crossover\n"
+        "from torchgraft.grafts.rms_norm import triton_impl\n"
+        "assert callable(m.register) and callable(triton_impl.fused_rms_norm_impl)\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
         "m.rms_norm\n"
         "assert 'triton' in sys.modules\n"

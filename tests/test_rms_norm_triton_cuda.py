@@ -9,12 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchgraft.ops.rms_norm import (
-    cond,
-    impl,
-    rms_norm_backward_reference,
-    rms_norm_reference,
-)
+from torchgraft.grafts.rms_norm import rms_norm_backward_reference, rms_norm_reference
+from torchgraft.grafts.rms_norm import triton_cond as cond
+from torchgraft.grafts.rms_norm import triton_impl as impl
 
 pytestmark = [
     pytest.mark.cuda,
@@ -77,7 +74,7 @@ def test_backward_is_deterministic():
 
 
 def test_custom_op_gradcheck_float64_on_gpu():
-    from torchgraft.ops.rms_norm import rms_norm
+    from torchgraft.grafts.rms_norm import rms_norm
 
     x = torch.randn(3, 5, 37, dtype=torch.float64, device="cuda", requires_grad=True)
     w = torch.randn(37, dtype=torch.float64, device="cuda", requires_grad=True)
@@ -85,7 +82,7 @@ def test_custom_op_gradcheck_float64_on_gpu():
 
 
 def test_custom_op_under_torch_compile_inductor():
-    from torchgraft.ops.rms_norm import rms_norm
+    from torchgraft.grafts.rms_norm import rms_norm
 
     def model(x, w):
         return rms_norm(x * 2.0, [512], w, 1e-6).float().square().sum()
@@ -120,7 +117,7 @@ def _kernel_names(fn):
 
 def test_graft_through_registry():
     pytest.importorskip("torchgraft.dsl", reason="torchgraft's registry is not on this branch")
-    from torchgraft.ops.rms_norm import deregister, register
+    from torchgraft.grafts.rms_norm import deregister, register
 
     x = torch.randn(8, 4096, 4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     w = torch.randn(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)

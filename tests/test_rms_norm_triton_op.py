@@ -6,11 +6,11 @@ float64), and torch.compile tracing without graph breaks. CPU tensors under TRIT
 import pytest
 import torch
 
-from torchgraft.ops import rms_norm as rms_norm_pkg
-from torchgraft.ops.rms_norm import rms_norm_backward_reference, rms_norm_reference
+from torchgraft.grafts import rms_norm as rms_norm_pkg
+from torchgraft.grafts.rms_norm import rms_norm_backward_reference, rms_norm_reference
 
-custom_op = pytest.importorskip("torchgraft.ops.rms_norm.custom_op")
-triton_kernels = pytest.importorskip("torchgraft.ops.rms_norm.triton_kernels")
+custom_op = pytest.importorskip("torchgraft.grafts.rms_norm.triton_op")
+triton_kernels = pytest.importorskip("torchgraft.grafts.rms_norm.triton_kernels")
 
 pytestmark = pytest.mark.skipif(
     type(triton_kernels._rms_norm_fwd_kernel).__name__ != "InterpretedFunction",

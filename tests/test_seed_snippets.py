@@ -1,7 +1,7 @@
 """The blog's two snippets (seed 000), unchanged apart from the import line.
 
 ``triton_kernels.triton_rms_norm_forward`` is a stand-in here (float64 RMSNorm that counts its
-calls); the real Triton kernels come from torchgraft.ops.rms_norm. The snippets register at
+calls); the real Triton kernels come from torchgraft.grafts.rms_norm. The snippets register at
 "CUDA": on a machine without a GPU the tests check the registration and run the very same
 functions registered at "CPU", which exercises the routing, the unconditional override and the
 re-entrant fallback for small shapes. The CUDA runs are marked ``cuda``.

@@ -591,7 +591,7 @@ def _registry_rows() -> list[dict[str, Any]]:
     list_overrides = getattr(registry, "list_overrides", None)
     if list_overrides is None:
         return []
-    from torchgraft.ops import gate_notes
+    from torchgraft.control import gate_notes
 
     notes = gate_notes()
     rows = []

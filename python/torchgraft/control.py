@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torchgraft import native, registry
-from torchgraft.ops import attention, rms_norm
+from torchgraft.grafts import attention, rms_norm
 from torchgraft.ops.linear_cross_entropy import registration as linear_cross_entropy
 
 log = logging.getLogger("torchgraft.control")
@@ -38,6 +38,17 @@ _off_blocks = 0
 """Open :func:`disabled` blocks, in any thread."""
 
 DISABLE_ENV = "TORCHGRAFT_DISABLE"
+
+
+def gate_notes() -> dict[tuple[str, str], str]:
+    """``(route, op_symbol) -> why that route's override takes the calls it takes``, for every
+    registry graft (``torchgraft list`` shows it). Imports no DSL."""
+    from torchgraft.grafts.attention.registration import notes as attention_notes
+    from torchgraft.grafts.rms_norm.registration import notes as rms_norm_notes
+
+    return attention_notes() | linear_cross_entropy.notes() | rms_norm_notes()
+
+
 """Set to 1 and nothing of torchgraft runs (the global kill switch): :func:`enable` and
 registering overrides are no-ops, and adopted layers run the model's own code. Read whenever
 something is switched: set after :func:`enable`, it takes everything out at the next switch."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgraft.common.operands import FLOATS as _FLOATS
 from torchgraft.ops.cross_entropy import custom_op as _ce
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager, rows_of
 from torchgraft.ops.glu import custom_op as _glu
@@ -26,7 +27,6 @@ from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_e
 from torchgraft.ops.model_rms_norm import custom_op as _rms_norm
 from torchgraft.ops.model_rms_norm.reference import acc_dtype as _acc_dtype
 from torchgraft.ops.model_rms_norm.reference import rms_norm_eager
-from torchgraft.ops.operands import FLOATS as _FLOATS
 from torchgraft.ops.rope import custom_op as _rope
 from torchgraft.ops.rope.reference import rope_eager
 

@@ -139,7 +139,7 @@ def reference(inputs: Inputs, mode: str) -> list[Tensor]:
     weight = inputs.weight.double()
     hidden = [x.shape[-1]]
     try:
-        from torchgraft.ops.rms_norm.reference import (
+        from torchgraft.grafts.rms_norm.reference import (
             rms_norm_backward_reference,
             rms_norm_reference,
         )
@@ -154,7 +154,7 @@ def reference(inputs: Inputs, mode: str) -> list[Tensor]:
 
 
 def _reference_autograd(x: Tensor, weight: Tensor, grad_out: Tensor, mode: str) -> list[Tensor]:
-    # Used until torchgraft.ops.rms_norm.reference is part of this checkout.
+    # Used until torchgraft.grafts.rms_norm.reference is part of this checkout.
     x = x.detach().requires_grad_(mode != "fwd")
     weight = weight.detach().requires_grad_(mode != "fwd")
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
@@ -199,7 +199,7 @@ def timed_call(fn: RmsNormFn, inputs: Inputs, mode: str) -> Callable[[], object]
 
 
 def _eager_upcast_fallback(x: Tensor, weight: Tensor, eps: float = EPS) -> Tensor:
-    # Used until torchgraft.ops.rms_norm.reference is part of this checkout.
+    # Used until torchgraft.grafts.rms_norm.reference is part of this checkout.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return xf.to(x.dtype) * weight
@@ -209,7 +209,7 @@ def _eager_function() -> RmsNormFn:
     """Llama-style eager RMSNorm: float32 math, cast back, then scale (several kernels);
     float64 math for float64 input (Llama would round it to float32: no baseline to measure)."""
     try:
-        from torchgraft.ops.rms_norm.reference import (
+        from torchgraft.grafts.rms_norm.reference import (
             rms_norm_eager_same_dtype,
             rms_norm_eager_upcast,
         )
@@ -245,7 +245,7 @@ def _build_compile(_problem: Problem) -> RmsNormFn:
 
 
 def _build_triton_op(_problem: Problem) -> RmsNormFn:
-    from torchgraft.ops.rms_norm import rms_norm
+    from torchgraft.grafts.rms_norm import rms_norm
 
     def triton_op(x: Tensor, weight: Tensor) -> Tensor:
         return rms_norm(x, (x.shape[-1],), weight, EPS)
@@ -272,9 +272,9 @@ def _cuda_only(device: torch.device) -> str | None:
 
 def _triton_op_unavailable(device: torch.device) -> str | None:
     if importlib.util.find_spec("torchgraft.ops") is None or (
-        importlib.util.find_spec("torchgraft.ops.rms_norm") is None
+        importlib.util.find_spec("torchgraft.grafts.rms_norm") is None
     ):
-        return "torchgraft.ops.rms_norm is not part of this torchgraft"
+        return "torchgraft.grafts.rms_norm is not part of this torchgraft"
     if not module_available("triton"):
         return "triton is not installed (module 'triton' not found)"
     return _cuda_only(device)
@@ -336,7 +336,7 @@ def routes() -> tuple[Route, ...]:
     found += [
         Route(
             "torchgraft-triton-op",
-            "torchgraft.ops.rms_norm.rms_norm: the Triton kernels as a custom op, every size",
+            "torchgraft.grafts.rms_norm.rms_norm: the Triton kernels as a custom op, every size",
             _triton_op_unavailable,
             _build_triton_op,
             stock,

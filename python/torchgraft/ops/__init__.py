@@ -1,16 +1,8 @@
-"""Operator packages: one folder per aten operator that torchgraft grafts.
+"""torchgraft's own operators (``torch.ops.torchgraft.*``): one folder per op.
 
-Each package holds a pure-PyTorch reference, the ``cond`` that decides which calls a kernel
-takes, the ``impl`` that runs it (importing its DSL lazily), and the DSL kernels in their own
-module. Importing a package here imports no DSL.
+Each op's schema and CPU / CUDA kernels are defined in Rust (crates/graft-native/src/ops/<op>);
+its folder here holds the float64 ``reference`` (and the eager expressions models write) and the
+``custom_op`` module that defines the op (:mod:`.define`) and adds what only Python can give:
+the fake function for ``torch.compile`` and the autograd formula. Their Python face is
+:mod:`torchgraft.functional`. The aten grafts live in :mod:`torchgraft.grafts`.
 """
-
-
-def gate_notes() -> dict[tuple[str, str], str]:
-    """``(route, op_symbol) -> why that route's override takes the calls it takes``, for every
-    op package (``torchgraft list`` shows it). Imports no DSL."""
-    from .attention.registration import notes as attention_notes
-    from .linear_cross_entropy.registration import notes as linear_cross_entropy_notes
-    from .rms_norm.registration import notes as rms_norm_notes
-
-    return attention_notes() | linear_cross_entropy_notes() | rms_norm_notes()

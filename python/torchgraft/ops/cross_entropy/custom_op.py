@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.native_ops import define_native_ops
-from torchgraft.ops.operands import Operands
+from torchgraft.common.operands import Operands
+from torchgraft.ops.define import define_ops
 
 __all__ = [
     "CrossEntropyInPlace",
@@ -34,7 +34,7 @@ __all__ = [
     "with_target",
 ]
 
-define_native_ops()
+define_ops()
 
 
 def eager(*tensors: Tensor) -> bool:

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.eager_autograd import register_autograd
-from torchgraft.ops.native_ops import define_native_ops
-from torchgraft.ops.operands import Operands
+from torchgraft.common.eager_autograd import register_autograd
+from torchgraft.common.operands import Operands
+from torchgraft.ops.define import define_ops
 
 __all__ = ["geglu", "swiglu"]
 
-define_native_ops()
+define_ops()
 
 
 def _check(

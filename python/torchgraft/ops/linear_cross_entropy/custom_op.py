@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgraft.common.operands import Operands
 from torchgraft.ops.cross_entropy.custom_op import acc_dtype, check_reduction, eager, with_target
-from torchgraft.ops.native_ops import define_native_ops
-from torchgraft.ops.operands import Operands
+from torchgraft.ops.define import define_ops
 
 __all__: list[str] = []
 
-define_native_ops()
+define_ops()
 
 
 def _check(

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.ops.eager_autograd import register_autograd
-from torchgraft.ops.native_ops import define_native_ops
-from torchgraft.ops.operands import Operands, c10_name
+from torchgraft.common.eager_autograd import register_autograd
+from torchgraft.common.operands import Operands, c10_name
+from torchgraft.ops.define import define_ops
 
 from .reference import acc_dtype
 
 __all__ = ["rms_norm"]
 
-define_native_ops()
+define_ops()
 
 
 def check(

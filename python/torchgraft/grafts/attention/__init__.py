@@ -6,9 +6,9 @@ under both, forward and backward, where it computes the call and is measured fas
 (:mod:`.crossover`). Importing this package imports no DSL. Contents:
 
 - :func:`register`, :func:`deregister`: the graft through torchgraft's registry.
-- ``support.py`` / ``crossover.py`` + ``crossover.json`` / ``cond.py``: what FA4 can compute,
+- ``support.py`` / ``crossover.py`` + ``crossover.json`` / ``fa4_cond.py``: what FA4 can compute,
   where it wins (measured data), and the conds built from both.
-- ``impl.py``: the four impls, returning ATen's outputs in ATen's format.
+- ``fa4_impl.py``: the four impls, returning ATen's outputs in ATen's format.
 - ``fa4_kernels.py``: the calls into flash-attn-4 (imports it).
 - :func:`attention_reference`: the float64 reference.
 """

@@ -1,4 +1,4 @@
-"""torchgraft's own operators (``torch.ops.torchgraft.*``) come from the native library.
+"""Defining torchgraft's own operators (``torch.ops.torchgraft.*``) from the compiled extension.
 
 Their schemas and CPU / CUDA kernels are defined in Rust (crates/graft-native/src/ops); each op
 package's ``custom_op`` module adds what only Python can: the fake (meta) function for
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["define_native_ops"]
+__all__ = ["define_ops"]
 
 _lock = threading.Lock()
 _defined = False
 
 
-def define_native_ops() -> None:
+def define_ops() -> None:
     """Defines the ``torchgraft::`` operators with their kernels (idempotent, thread-safe).
 
     Raises:

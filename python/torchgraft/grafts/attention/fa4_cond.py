@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import crossover
-from .impl import FA4
+from .fa4_impl import FA4
 from .support import Problem, decline_reason, device_capability
 
 __all__ = [

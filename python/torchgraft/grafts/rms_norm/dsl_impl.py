@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchgraft.common.device import on_device_of
 from torchgraft.dsl.lazy import LazyKernels
 
-from .._common import on_device_of
 from .reference import default_eps
 from .shapes import rows_and_hidden, rstd_shape
 
@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 #: quack's kernels (CuteDSL), imported on first use.
-QUACK = LazyKernels("torchgraft.ops.rms_norm.quack_kernels")
+QUACK = LazyKernels("torchgraft.grafts.rms_norm.quack_kernels")
 #: The Helion kernels, imported on first use.
-HELION = LazyKernels("torchgraft.ops.rms_norm.helion_kernels")
+HELION = LazyKernels("torchgraft.grafts.rms_norm.helion_kernels")
 
 _aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._common import device_capability
+from torchgraft.common.device import device_capability
 
 __all__ = [
     "ARCHS",

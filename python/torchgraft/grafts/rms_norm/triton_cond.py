@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .crossover import wins_backward, wins_forward
+from .triton_crossover import wins_backward, wins_forward
 
 __all__ = [
     "backward_inputs_fit",
@@ -75,7 +75,7 @@ def fused_rms_norm_cond(
 
     CUDA (not ROCm); float32, float16 or bfloat16; contiguous, non-empty input whose trailing
     dims equal ``normalized_shape``; a weight of the input's dtype, device and shape, or none;
-    and a size where the Triton kernel beats aten's (:mod:`.crossover`).
+    and a size where the Triton kernel beats aten's (:mod:`.triton_crossover`).
     """
     n_cols = problem_size(input, normalized_shape, weight)
     return n_cols > 0 and wins_forward(input.dtype, n_cols, input.numel() // n_cols)

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from .._common import device_capability
-from .cond import backward_inputs_fit, problem_size
+from torchgraft.common.device import device_capability
+
 from .dsl_impl import HELION, QUACK
+from .triton_cond import backward_inputs_fit, problem_size
 
 __all__ = [
     "HELION_MAX_HIDDEN",

@@ -43,7 +43,7 @@ __all__ = [
     "wins",
 ]
 
-log = logging.getLogger("torchgraft.ops.attention")
+log = logging.getLogger("torchgraft.grafts.attention")
 
 CROSSOVER_ENV = "TORCHGRAFT_FA4_CROSSOVER"
 TABLE_PATH = Path(__file__).with_name("crossover.json")

@@ -93,7 +93,7 @@ def autograd_caller(
             return op(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = op._opname
-    call.__doc__ = f"``{op}`` with its autograd formula (see torchgraft.ops.eager_autograd)."
+    call.__doc__ = f"``{op}`` with its autograd formula (see torchgraft.common.eager_autograd)."
     return call
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LIBRARY", "OP_SYMBOLS", "ROUTES", "deregister", "register"]
 
-log = logging.getLogger("torchgraft.ops.attention")
+log = logging.getLogger("torchgraft.grafts.attention")
 
 #: The CuteDSL library these overrides call.
 LIBRARY = "flash-attn-4"
@@ -49,13 +49,21 @@ def register(route: str = "cutedsl") -> None:
     if reason is not None:
         log.info("FA4 attention overrides not registered: %s", reason)
         return
-    from . import cond, impl
+    from . import fa4_cond, fa4_impl
 
     rows = (
-        (OP_SYMBOLS[0], cond.flash_attention_cond, impl.flash_attention_impl),
-        (OP_SYMBOLS[1], cond.flash_attention_backward_cond, impl.flash_attention_backward_impl),
-        (OP_SYMBOLS[2], cond.cudnn_attention_cond, impl.cudnn_attention_impl),
-        (OP_SYMBOLS[3], cond.cudnn_attention_backward_cond, impl.cudnn_attention_backward_impl),
+        (OP_SYMBOLS[0], fa4_cond.flash_attention_cond, fa4_impl.flash_attention_impl),
+        (
+            OP_SYMBOLS[1],
+            fa4_cond.flash_attention_backward_cond,
+            fa4_impl.flash_attention_backward_impl,
+        ),
+        (OP_SYMBOLS[2], fa4_cond.cudnn_attention_cond, fa4_impl.cudnn_attention_impl),
+        (
+            OP_SYMBOLS[3],
+            fa4_cond.cudnn_attention_backward_cond,
+            fa4_impl.cudnn_attention_backward_impl,
+        ),
     )
     for op_symbol, op_cond, op_impl in rows:
         info = cutedsl.register_op_override("aten", op_symbol, "CUDA", op_cond, op_impl)
@@ -77,7 +85,7 @@ def notes() -> dict[tuple[str, str], str]:
 
     Imports no DSL."""
     from . import crossover
-    from .impl import FA4
+    from .fa4_impl import FA4
 
     text = crossover.summary() if not FA4.failed else f"nothing: import failed ({FA4.error})"
     return {("cutedsl", op): text for op in OP_SYMBOLS}

@@ -27,7 +27,7 @@ import torch
 
 __all__ = ["TABLE_PATH", "Entry", "choose", "dtype_group", "load_entries"]
 
-log = logging.getLogger("torchgraft.ops.rms_norm")
+log = logging.getLogger("torchgraft.grafts.rms_norm")
 
 TABLE_PATH = Path(__file__).with_name("helion_configs.json")
 

@@ -6,10 +6,10 @@ Importing this package imports no triton. Contents:
   pure-PyTorch reference (``reference.py``), plus the eager baselines
   :func:`rms_norm_eager_upcast` (Llama-style) and :func:`rms_norm_eager_same_dtype`.
 - :func:`register`, :func:`deregister`: the graft through torchgraft's registry.
-- ``cond.py`` / ``impl.py``: which calls the kernels take, and running them.
+- ``triton_cond.py`` / ``triton_impl.py``: which calls the kernels take, and running them.
 - ``triton_kernels.py``: the kernels and launchers (imports triton).
 - :func:`rms_norm`: the same kernels as ``torch.library.triton_op`` custom ops with autograd
-  (``custom_op.py``); looking the name up imports triton.
+  (``triton_op.py``); looking the name up imports triton.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The custom ops are defined on first use: defining a triton_op imports triton.
     if name == "rms_norm":
-        from .custom_op import rms_norm
+        from .triton_op import rms_norm
 
         return rms_norm
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OP_SYMBOLS", "ROUTES", "deregister", "register"]
 
-log = logging.getLogger("torchgraft.ops.rms_norm")
+log = logging.getLogger("torchgraft.grafts.rms_norm")
 
 OP_SYMBOLS = ("_fused_rms_norm", "_fused_rms_norm_backward")
 #: The routes this package has kernels for.
@@ -32,8 +32,8 @@ _registered: dict[str, list[OverrideInfo]] = {}
 def _rows(route: str) -> tuple[Row, ...]:
     """``(op, cond, impl)`` for each op of ``route`` (imports the conds and impls, not DSLs)."""
     if route == "triton":
-        from .cond import fused_rms_norm_backward_cond, fused_rms_norm_cond
-        from .impl import fused_rms_norm_backward_impl, fused_rms_norm_impl
+        from .triton_cond import fused_rms_norm_backward_cond, fused_rms_norm_cond
+        from .triton_impl import fused_rms_norm_backward_impl, fused_rms_norm_impl
 
         return (
             (OP_SYMBOLS[0], fused_rms_norm_cond, fused_rms_norm_impl),
@@ -107,7 +107,7 @@ def notes() -> dict[tuple[str, str], str]:
     from .dsl_impl import HELION, QUACK
 
     why = {
-        "triton": "where measured faster than ATen on an H100 (crossover.py)",
+        "triton": "where measured faster than ATen on an H100 (triton_crossover.py)",
         "cutedsl": f"every shape quack takes (sm90/sm100, hidden <= {QUACK_MAX_HIDDEN}); opt-in",
         "helion": (
             f"with a weight, hidden <= {HELION_MAX_HIDDEN}, configs from helion_configs.json; "

@@ -1,4 +1,4 @@
-"""Small helpers the op packages' DSL impls and conds share."""
+"""Device helpers the DSL impls and conds share: the current GPU, its compute capability."""
 
 from __future__ import annotations
 

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgraft.common.device import on_device_of
 from torchgraft.dsl.lazy import LazyKernels
-
-from .._common import on_device_of
 
 __all__ = [
     "FA4",
@@ -41,10 +40,10 @@ __all__ = [
 ]
 
 #: The FA4 kernel module, imported on first use.
-FA4 = LazyKernels("torchgraft.ops.attention.fa4_kernels")
+FA4 = LazyKernels("torchgraft.grafts.attention.fa4_kernels")
 
 _aten = torch.ops.aten
-log = logging.getLogger("torchgraft.ops.attention")
+log = logging.getLogger("torchgraft.grafts.attention")
 
 #: What FA4's interface raises for a problem it does not take (its argument checks).
 _REFUSALS = (AssertionError, ValueError, NotImplementedError)

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from .impl import fused_rms_norm_backward_impl, fused_rms_norm_impl
 from .shapes import check_weight_shape, empty_rstd, rows_and_hidden
+from .triton_impl import fused_rms_norm_backward_impl, fused_rms_norm_impl
 
 __all__ = ["rms_norm", "rms_norm_triton_bwd", "rms_norm_triton_fwd"]
 
