@@ -82,7 +82,7 @@ def run_case(shape, dtype, weight, mask, transposed) -> None:
 
 def run_op_case(shape, dtype, wdtype, offset, cast) -> None:
     """torchgraft::rms_norm (forward and backward ops) in one weight mode."""
-    from torchgraft.ops.model_rms_norm.reference import rms_norm_reference
+    from torchgraft.ops.rms_norm.reference import rms_norm_reference
 
     cols = shape[-1]
     x = cuda_randn(*shape, dtype=dtype)

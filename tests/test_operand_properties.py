@@ -47,7 +47,7 @@ from torchgraft import functional as tgf
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager
 from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
-from torchgraft.ops.model_rms_norm.reference import acc_dtype, rms_norm_eager
+from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
 from torchgraft.ops.rope.reference import rope_eager
 
 DRAWS = int(os.environ.get("TORCHGRAFT_PROPERTY_DRAWS", "48"))

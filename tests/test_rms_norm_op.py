@@ -9,7 +9,7 @@ import torch
 from conftest import rel_err
 from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
-from torchgraft.ops.model_rms_norm.reference import (
+from torchgraft.ops.rms_norm.reference import (
     result_dtype,
     rms_norm_eager,
     rms_norm_reference,

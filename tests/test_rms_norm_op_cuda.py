@@ -10,7 +10,7 @@ import torch
 
 from torchgraft import functional as tgf
 from torchgraft import native, reset_stats, stats
-from torchgraft.ops.model_rms_norm.reference import (
+from torchgraft.ops.rms_norm.reference import (
     result_dtype,
     rms_norm_eager,
     rms_norm_reference,

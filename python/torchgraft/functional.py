@@ -24,9 +24,9 @@ from torchgraft.ops.glu import custom_op as _glu
 from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
 from torchgraft.ops.linear_cross_entropy import custom_op as _lce  # noqa: F401  (autograd)
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
-from torchgraft.ops.model_rms_norm import custom_op as _rms_norm
-from torchgraft.ops.model_rms_norm.reference import acc_dtype as _acc_dtype
-from torchgraft.ops.model_rms_norm.reference import rms_norm_eager
+from torchgraft.ops.rms_norm import custom_op as _rms_norm
+from torchgraft.ops.rms_norm.reference import acc_dtype as _acc_dtype
+from torchgraft.ops.rms_norm.reference import rms_norm_eager
 from torchgraft.ops.rope import custom_op as _rope
 from torchgraft.ops.rope.reference import rope_eager
 
