@@ -18,16 +18,17 @@ import torch
 from torch import Tensor
 
 from torchgraft.common.operands import FLOATS as _FLOATS
-from torchgraft.ops.cross_entropy import custom_op as _ce
+from torchgraft.ops.cross_entropy import autograd as _ce
+from torchgraft.ops.cross_entropy.fake import eager as _ce_eager
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager, rows_of
-from torchgraft.ops.glu import custom_op as _glu
+from torchgraft.ops.glu import autograd as _glu
 from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
-from torchgraft.ops.linear_cross_entropy import custom_op as _lce  # noqa: F401  (autograd)
+from torchgraft.ops.linear_cross_entropy import autograd as _lce  # noqa: F401  (autograd)
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
-from torchgraft.ops.rms_norm import custom_op as _rms_norm
+from torchgraft.ops.rms_norm import autograd as _rms_norm
 from torchgraft.ops.rms_norm.reference import acc_dtype as _acc_dtype
 from torchgraft.ops.rms_norm.reference import rms_norm_eager
-from torchgraft.ops.rope import custom_op as _rope
+from torchgraft.ops.rope import autograd as _rope
 from torchgraft.ops.rope.reference import rope_eager
 
 __all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
@@ -209,7 +210,7 @@ def cross_entropy(
     rows = rows_of(logits)
     flat_target = _rows_target(target, rows.shape[0])
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    in_place = inplace_backward and compute_grad and rows.is_contiguous() and _ce.eager(rows)
+    in_place = inplace_backward and compute_grad and rows.is_contiguous() and _ce_eager(rows)
     if in_place and logits.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation."

@@ -1,8 +1,8 @@
 """Defining torchgraft's own operators (``torch.ops.torchgraft.*``) from the compiled extension.
 
 Their schemas and CPU / CUDA kernels are defined in Rust (crates/graft-native/src/ops); each op
-package's ``custom_op`` module adds what only Python can: the fake (meta) function for
-``torch.compile`` and the autograd formula.
+package adds what only Python can: the fake (meta) function for ``torch.compile`` (``fake.py``)
+and the autograd formula (``autograd.py``).
 """
 
 from __future__ import annotations

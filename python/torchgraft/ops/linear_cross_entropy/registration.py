@@ -127,7 +127,7 @@ def impl(
             compute_linear_weight_grad,
             compute_linear_bias_grad,
         )
-    from . import custom_op  # noqa: F401  (the native op's fake functions)
+    from . import autograd  # noqa: F401  (the native op, its fake functions and autograd)
 
     mask = [compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad]
     red = 1 if reduction == "mean" else 2

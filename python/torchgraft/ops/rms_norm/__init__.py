@@ -2,8 +2,8 @@
 one backward), the weight applied as Llama (``weight * xhat.to(dtype)``) or Gemma
 (``(xhat * (1 + weight.float())).to(dtype)``) write it.
 
-``reference`` holds the float64 reference and the eager expressions models write;
-``custom_op`` gives the op its autograd and fake functions (kernels: Rust on CPU, CUDA C++ on
+``reference`` holds the float64 reference and the eager expressions models write; ``fake``
+and ``autograd`` give the op its fake functions and autograd (kernels: Rust on CPU, CUDA C++ on
 CUDA; crates/graft-native/src/ops/rms_norm.rs). The public function is
 ``torchgraft.functional.rms_norm``.
 """

@@ -1,9 +1,9 @@
-"""Autograd and fake functions of ``torchgraft::rms_norm`` and ``torchgraft::rms_norm_backward``.
+"""Fake functions of ``torchgraft::rms_norm`` and ``torchgraft::rms_norm_backward``.
 
 The schemas and kernels are native (crates/graft-native/src/ops/rms_norm.rs); importing this
-module defines them and registers what only Python can give: the fake functions (shapes for
-``torch.compile``, with the kernels' checks and messages) and the autograd formula, whose
-backward is the fused ``rms_norm_backward`` op (dx and dw in one kernel).
+module defines them and registers the fake functions (shapes for ``torch.compile``, with the
+kernels' checks and messages). The autograd formula is :mod:`.autograd`'s, whose backward is the
+fused ``rms_norm_backward`` op (dx and dw in one kernel).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.common.eager_autograd import register_autograd
 from torchgraft.common.operands import Operands, c10_name
 from torchgraft.ops.define import define_ops
 
 from .reference import acc_dtype
 
-__all__ = ["rms_norm"]
+__all__ = ["check"]
 
 define_ops()
 
@@ -107,31 +106,3 @@ def _rms_norm_backward_fake(
     dw_shape = (x.shape[-1],) if output_mask[1] and weight is not None else (0,)
     dw = torch.empty(dw_shape, dtype=dw_dtype, device=x.device)
     return dx, dw
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    x, weight, _eps, offset, cast_before_weight = inputs
-    _y, rstd = output
-    ctx.save_for_backward(x, rstd, weight)
-    ctx.offset = offset
-    ctx.cast_before_weight = cast_before_weight
-    ctx.mark_non_differentiable(rstd)
-    # rstd is never differentiated: no zero-filled gradient for it (one op less per backward).
-    ctx.set_materialize_grads(False)
-
-
-def _backward(
-    ctx: Any, grad: Tensor | None, _grad_rstd: Tensor | None
-) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-    if grad is None:  # an undefined upstream gradient: no gradient flows
-        return None, None, None, None, None
-    x, rstd, weight = ctx.saved_tensors
-    want_dx, want_dw = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
-    dx, dw = torch.ops.torchgraft.rms_norm_backward(
-        grad, x, rstd, weight, ctx.offset, ctx.cast_before_weight, [want_dx, want_dw]
-    )
-    return (dx if want_dx else None), (dw if want_dw else None), None, None, None
-
-
-# The op's autograd, and what torchgraft.functional.rms_norm calls (less host work per call).
-rms_norm = register_autograd(torch.ops.torchgraft.rms_norm.default, _backward, _setup_context)

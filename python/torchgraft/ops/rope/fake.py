@@ -1,9 +1,9 @@
-"""Autograd and fake functions of ``torchgraft::rope``.
+"""Fake functions of ``torchgraft::rope`` and ``torchgraft::rope_backward``.
 
 The schemas and kernels are native (crates/graft-native/src/ops/rope.rs); importing this module
-defines them and registers what only Python can give: the fake function (shapes and strides for
-``torch.compile``, with the kernels' checks) and the autograd formula. The gradients of ``q`` and
-``k`` come from the fused ``rope_backward`` op; ``cos`` and ``sin`` (which models compute without
+defines them and registers the fake functions (shapes and strides for ``torch.compile``, with the
+kernels' checks). The autograd formula is :mod:`.autograd`'s: the gradients of ``q`` and ``k``
+come from the fused ``rope_backward`` op; ``cos`` and ``sin`` (which models compute without
 gradient) get theirs from the eager formula, only when they require it.
 """
 
@@ -14,12 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.common.eager_autograd import register_autograd
 from torchgraft.common.operands import Operands
 from torchgraft.ops.define import define_ops
-from torchgraft.ops.rope.reference import rotate_half
 
-__all__ = ["rope"]
+__all__: list[str] = []
 
 define_ops()
 
@@ -142,44 +140,3 @@ def _rope_backward_fake(
         _grad_output_like(grad_q, cos, unsqueeze_dim),
         _grad_output_like(grad_k, cos, unsqueeze_dim),
     )
-
-
-def _save_inputs(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, cos, sin = inputs[:4]
-    ctx.unsqueeze_dim = inputs[4] if len(inputs) > 4 else 1
-    ctx.table_grads = cos.requires_grad or sin.requires_grad
-    if ctx.table_grads:
-        ctx.save_for_backward(cos, sin, q, k)
-    else:
-        ctx.save_for_backward(cos, sin)
-
-
-def _table_grads(
-    q: Tensor, k: Tensor, cos: Tensor, grad_q: Tensor, grad_k: Tensor, unsqueeze_dim: int
-) -> tuple[Tensor, Tensor]:
-    """Gradients of ``cos`` and ``sin``: the eager formula's, summed over the broadcast dims."""
-    table = cos.unsqueeze(unsqueeze_dim)
-    rotary = table.shape[-1]
-    dcos = torch.zeros_like(table)
-    dsin = torch.zeros_like(table)
-    for x, g in ((q, grad_q), (k, grad_k)):
-        x_rot, g_rot = x[..., :rotary], g[..., :rotary]
-        dcos = dcos + (g_rot * x_rot).sum_to_size(table.shape)
-        dsin = dsin + (g_rot * rotate_half(x_rot)).sum_to_size(table.shape)
-    return dcos.squeeze(unsqueeze_dim), dsin.squeeze(unsqueeze_dim)
-
-
-def _rope_grad(
-    ctx: Any, grad_q: Tensor, grad_k: Tensor
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, None]:
-    cos, sin = ctx.saved_tensors[:2]
-    dq, dk = torch.ops.torchgraft.rope_backward(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim)
-    dcos = dsin = None
-    if ctx.table_grads:
-        q, k = ctx.saved_tensors[2:]
-        dcos, dsin = _table_grads(q, k, cos, grad_q, grad_k, ctx.unsqueeze_dim)
-    return dq, dk, dcos, dsin, None
-
-
-# The op's autograd, and what torchgraft.functional.rope calls (less host work per call).
-rope = register_autograd(torch.ops.torchgraft.rope.default, _rope_grad, _save_inputs)
