@@ -1,10 +1,11 @@
 """Which ``aten::_fused_rms_norm`` / ``_fused_rms_norm_backward`` calls quack's CuteDSL kernels
 and the Helion kernels take.
 
-The inputs the Triton kernels take (:func:`.cond.problem_size`, :func:`.cond.backward_inputs_fit`),
-narrowed by what each library does, with no size gate of their own: these routes are opt-in
-(``torchgraft.enable(routes=["cutedsl"])`` / ``["helion"]``), and where they run they run for
-every shape they can. Once a library's import has failed, its conds decline every call.
+The inputs the Triton kernels take (:func:`.triton_cond.problem_size`,
+:func:`.triton_cond.backward_inputs_fit`), narrowed by what each library does, with no size gate
+of their own: these routes are opt-in (``torchgraft.enable(routes=["cutedsl"])`` /
+``["helion"]``), and where they run they run for every shape they can. Once a library's import
+has failed, its conds decline every call.
 
 * quack: a Hopper or Blackwell GPU (sm90/sm100), a hidden size whose rows split into 32- to
   128-bit vector copies (even for 16-bit dtypes), at most 128K; weight optional.
