@@ -24,7 +24,7 @@ from torchgraft.ops.attention import attention_reference, cond, crossover, impl,
 from torchgraft.ops.attention.crossover import Row, Table
 from torchgraft.ops.attention.support import Problem, problem_reason
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 _aten = torch.ops.aten
 

@@ -30,6 +30,8 @@ from torchgraft.bench.progress import Progress
 from torchgraft.bench.routes import Route
 from torchgraft.bench.table import format_terminal
 
+pytestmark = pytest.mark.default_torch
+
 PYTHON_DIR = str(Path(torchgraft.__file__).resolve().parents[1])
 NATIVE = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -30,7 +30,7 @@ from torchgraft import registry
 from torchgraft._registry import env
 from torchgraft.registry import OverrideNode
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("clean_overrides")]
 
 A = torch.tensor([2.0, 3.0])
 B = torch.tensor([4.0, 5.0])

@@ -20,7 +20,11 @@ from torchgraft.ops.rms_norm import (
     rms_norm_reference,
 )
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("clean_overrides")]
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.cuda,
+    pytest.mark.usefixtures("clean_overrides"),
+]
 
 
 def _quack_unusable() -> str | None:

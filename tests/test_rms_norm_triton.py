@@ -23,6 +23,8 @@ from torchgraft.ops.rms_norm import (
     rms_norm_reference,
 )
 
+pytestmark = pytest.mark.default_torch
+
 tk = pytest.importorskip("torchgraft.ops.rms_norm.triton_kernels")
 
 INTERPRETED = type(tk._rms_norm_fwd_kernel).__name__ == "InterpretedFunction"

@@ -17,6 +17,7 @@ from torchgraft.ops.rms_norm import (
 )
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(
