@@ -108,6 +108,7 @@ def test_helion_route(route, shape, dtype):
     check(route, shape, dtype)
 
 
+@needs_helion
 @pytest.mark.parametrize("route", ["helion"], indirect=True)
 def test_helion_declines_rows_wider_than_its_bound(route):
     hidden = dsl_cond.HELION_MAX_HIDDEN * 2
