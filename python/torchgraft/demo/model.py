@@ -105,7 +105,7 @@ def compare_step(stock: nn.Module, grafted: nn.Module, stock_loss: Tensor, loss:
 
 
 def _profile_lines(profile: StepProfile) -> list[str]:
-    width = max(len(op.op) for op in profile.ops)
+    width = max((len(op.op) for op in profile.ops), default=0)
     return [
         f"    {op.op.ljust(width)}  {op.self_ms:9.2f} ms  {op.share:6.1%}  {op.calls:5d} calls"
         for op in profile.ops
