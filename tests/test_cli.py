@@ -148,6 +148,7 @@ TINY_MODEL_DEMO = ("demo", "--device", "cpu", "--size", "tiny", "--rounds", "1",
 
 
 @NATIVE
+@pytest.mark.slow
 def test_model_demo_subprocess_passes_quietly_with_table_speed_and_ops():
     pytest.importorskip("transformers")
     from torchgraft.demo.model import TOLERANCE
@@ -169,6 +170,7 @@ def test_model_demo_subprocess_passes_quietly_with_table_speed_and_ops():
 
 
 @NATIVE
+@pytest.mark.slow
 def test_model_demo_fails_when_gradients_differ_beyond_tolerance(monkeypatch, capsys):
     pytest.importorskip("transformers")
     from torchgraft.demo import model
