@@ -15,8 +15,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Every test chooses where it runs: ``compat`` (the compatibility set, run on every supported
+# torch) or ``default_torch`` (the default torch only). A module sets one in ``pytestmark``; a
+# test in a ``default_torch`` module may add ``compat``.
+_RUN_SETS = ("compat", "default_torch")
+
+
+def _require_run_set(items: list[pytest.Item]) -> None:
+    unmarked = sorted({item.nodeid.split("::")[0] for item in items if not _run_set(item)})
+    if unmarked:
+        raise pytest.UsageError(
+            "tests must be marked `compat` or `default_torch` (tests/conftest.py says why): "
+            + ", ".join(unmarked)
+        )
+
+
+def _run_set(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) is not None for name in _RUN_SETS)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``cuda`` when no GPU is usable."""
+    """Require a run set on every test; skip tests marked ``cuda`` when no GPU is usable."""
+    _require_run_set(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

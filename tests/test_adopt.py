@@ -25,6 +25,8 @@ from adopt_helpers import (
 from torchgraft.adopt.probe import TOLERANCE
 from torchgraft.adopt.report import ADOPTED, ALREADY, NATIVE, SKIPPED
 
+pytestmark = pytest.mark.default_torch
+
 
 @pytest.fixture(autouse=True)
 def _enabled():

@@ -10,6 +10,8 @@ import torch
 import torchgraft
 from torchgraft.adopt import causal_mask
 
+pytestmark = pytest.mark.compat
+
 transformers = pytest.importorskip("transformers")
 masking_utils = pytest.importorskip("transformers.masking_utils")
 

@@ -19,7 +19,7 @@ from adopt_helpers import (
 from torchgraft.adopt.probe import TOLERANCE
 from torchgraft.adopt.report import ADOPTED
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.default_torch, pytest.mark.cuda]
 pytest.importorskip("transformers")
 
 

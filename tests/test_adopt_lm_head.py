@@ -21,7 +21,10 @@ from torchgraft import native
 from torchgraft.adopt.report import ADOPTED, SKIPPED
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 
 @pytest.fixture(autouse=True)

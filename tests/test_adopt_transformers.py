@@ -30,6 +30,8 @@ from adopt_helpers import (
 from torchgraft.adopt.probe import TOLERANCE
 from torchgraft.adopt.report import ADOPTED, SKIPPED
 
+pytestmark = pytest.mark.default_torch
+
 pytest.importorskip("transformers")
 
 
@@ -122,6 +124,7 @@ def test_save_pretrained_and_from_pretrained(tmp_path):
     assert_steps_close(train_step(loaded, ids, labels), plain, TOLERANCE[torch.float32])
 
 
+@pytest.mark.compat
 def test_gradient_checkpointing():
     model = tiny_model("qwen3")
     model.train()
@@ -138,6 +141,7 @@ def test_gradient_checkpointing():
     assert_steps_close(step, ref, TOLERANCE[torch.float32])
 
 
+@pytest.mark.compat
 def test_torch_compile_of_the_adopted_model():
     model = tiny_model("llama")
     ids, labels = batch()
@@ -255,6 +259,7 @@ def test_the_loss_adopter_keeps_gradient_accumulation_semantics(monkeypatch):
     torchgraft.unadopt(model)
 
 
+@pytest.mark.compat
 def test_the_real_functional_ops_are_used_when_this_build_has_them():
     try:
         import torchgraft.functional as functional

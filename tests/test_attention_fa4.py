@@ -26,7 +26,7 @@ from torchgraft.grafts.attention import fa4_impl as impl
 from torchgraft.grafts.attention.crossover import Row, Table
 from torchgraft.grafts.attention.support import Problem, problem_reason
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 _aten = torch.ops.aten
 

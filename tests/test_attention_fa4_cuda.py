@@ -34,6 +34,7 @@ def _fa4_unusable() -> str | None:
 
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.usefixtures("clean_overrides"),
     pytest.mark.skipif(_fa4_unusable() is not None, reason=f"FA4 unusable: {_fa4_unusable()}"),

@@ -28,6 +28,8 @@ from torchgraft import cli, native
 from torchgraft.bench import model, model_variants, model_zoo, patches, timing
 from torchgraft.bench.model_variants import VARIANTS, Prepared, Setting, Variant
 
+pytestmark = pytest.mark.default_torch
+
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
 NATIVE = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")

@@ -31,6 +31,8 @@ from torchgraft.bench.routes import Route
 from torchgraft.bench.table import format_markdown, format_terminal
 from torchgraft.bench.timing import extra_peak_bytes
 
+pytestmark = pytest.mark.default_torch
+
 PYTHON_DIR = str(Path(torchgraft.__file__).resolve().parents[1])
 CPU = torch.device("cpu")
 NEW_OPS: list[ModuleType] = [swiglu, geglu, rope, cross_entropy, linear_cross_entropy]

@@ -30,6 +30,8 @@ from torchgraft.bench.routes import Route
 from torchgraft.bench.table import format_terminal
 from torchgraft.registry import torch_native
 
+pytestmark = pytest.mark.default_torch
+
 PYTHON_DIR = str(Path(torchgraft.__file__).resolve().parents[1])
 NATIVE = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -87,8 +89,8 @@ def graft_keys(dispatch_key: str) -> list[str]:
 
 @NATIVE
 @pytest.mark.slow
-def test_demo_subprocess_passes_and_prints_graft_counts():
-    result = run_cli("demo", "--device", "cpu", "--rounds", "2")
+def test_block_demo_subprocess_passes_and_prints_graft_counts():
+    result = run_cli("demo", "--block", "--device", "cpu", "--rounds", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     out = result.stdout
@@ -105,14 +107,14 @@ def test_demo_subprocess_passes_and_prints_graft_counts():
 
 
 def _demo_block() -> torch.nn.Module:
-    from torchgraft.demo import CPU_SIZE, LlamaBlock
+    from torchgraft.demo.block import CPU_SIZE, LlamaBlock
 
     return LlamaBlock(CPU_SIZE.dim, CPU_SIZE.heads, CPU_SIZE.hidden)
 
 
-def test_demo_fails_with_reason_when_nothing_is_grafted(monkeypatch, capsys):
+def test_block_demo_fails_with_reason_when_nothing_is_grafted(monkeypatch, capsys):
     monkeypatch.setenv(control.DISABLE_ENV, "1")
-    assert cli.main(["demo", "--device", "cpu", "--rounds", "1"]) == 1
+    assert cli.main(["demo", "--block", "--device", "cpu", "--rounds", "1"]) == 1
     out = capsys.readouterr().out
     assert "FAIL: no graft ran" in out
     assert f"{control.DISABLE_ENV} is set" in out
@@ -120,12 +122,12 @@ def test_demo_fails_with_reason_when_nothing_is_grafted(monkeypatch, capsys):
 
 @NATIVE
 @pytest.mark.slow
-def test_demo_fails_when_results_differ_beyond_tolerance(monkeypatch, capsys):
-    from torchgraft import demo
+def test_block_demo_fails_when_results_differ_beyond_tolerance(monkeypatch, capsys):
+    from torchgraft.demo import block
 
     # A negative tolerance no difference can meet: the FAIL branch and its exit status.
-    monkeypatch.setitem(demo.TOLERANCE, torch.float32, -1.0)
-    assert cli.main(["demo", "--device", "cpu", "--rounds", "1"]) == 1
+    monkeypatch.setitem(block.TOLERANCE, torch.float32, -1.0)
+    assert cli.main(["demo", "--block", "--device", "cpu", "--rounds", "1"]) == 1
     out = capsys.readouterr().out
     assert "TOO LARGE" in out
     assert out.rstrip().endswith("beyond the tolerance.")
@@ -133,7 +135,7 @@ def test_demo_fails_when_results_differ_beyond_tolerance(monkeypatch, capsys):
 
 def test_demo_block_matches_float64_block():
     """The demo's model is a correct block: float32 stock vs the same block in float64."""
-    from torchgraft.demo import CPU_SIZE, build_block, compare, make_step
+    from torchgraft.demo.block import CPU_SIZE, build_block, compare, make_step
 
     size = CPU_SIZE
     b32 = build_block(size, torch.device("cpu"), torch.float32)
@@ -142,6 +144,46 @@ def test_demo_block_matches_float64_block():
     r64 = make_step(b64, size, torch.device("cpu"), torch.float64)()
     for d in compare(r32, r64):
         assert d.rel < 1e-5, d
+
+
+TINY_MODEL_DEMO = ("demo", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--steps", "1")
+
+
+@NATIVE
+@pytest.mark.slow
+def test_model_demo_subprocess_passes_quietly_with_table_speed_and_ops():
+    pytest.importorskip("transformers")
+    from torchgraft.demo.model import TOLERANCE
+
+    result = run_cli(*TINY_MODEL_DEMO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""  # no profiler or library noise
+    out = result.stdout
+    assert re.search(r"^torchgraft\.adopt: [1-9]\d* of \d+ layers adopted$", out, re.M), out
+    for kind in ("rms_norm", "gated_mlp", "rope", "causal_lm_head"):
+        assert re.search(rf"^{kind}\s+\S+\s+\d+\s+adopted\s", out, re.M), out
+    passed = re.search(r"^  max relative difference (\S+): PASS$", out, re.M)
+    assert passed is not None, out
+    assert float(passed.group(1)) <= TOLERANCE[torch.float32]
+    assert re.search(r"stock\s+[\d.]+ ms\s+torchgraft\s+[\d.]+ ms\s+speedup [\d.]+x", out)
+    for model in ("stock", "torchgraft"):
+        assert re.search(rf"^Top 6 ops, {model} \(self CPU time.*\n    aten::", out, re.M), out
+    assert out.rstrip().endswith("within tolerance.")
+
+
+@NATIVE
+@pytest.mark.slow
+def test_model_demo_fails_when_gradients_differ_beyond_tolerance(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from torchgraft.demo import model
+
+    # A negative tolerance no difference can meet: the FAIL branch and its exit status.
+    monkeypatch.setitem(model.TOLERANCE, torch.float32, -1.0)
+    assert cli.main(list(TINY_MODEL_DEMO)) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^  max relative difference \S+: FAIL$", out, re.M), out
+    assert out.rstrip().endswith("beyond the tolerance.")
+    assert not torchgraft.is_enabled()
 
 
 # ---- bench -----------------------------------------------------------------------------------
@@ -346,7 +388,11 @@ def test_bench_terminal_table_wraps_shape_columns():
         (["bench"], ["required: op"]),
         (["frobnicate"], ["invalid choice: 'frobnicate'"]),
         ([], ["choose a command"]),
-        (["demo", "--device", "cpu", "--routes", "nope"], ["unknown route 'nope'"]),
+        (["demo", "--block", "--device", "cpu", "--routes", "nope"], ["unknown route 'nope'"]),
+        (["demo", "--device", "cpu", "--routes", "native"], ["--routes is for --block only"]),
+        (["demo", "--block", "--size", "tiny"], ["--size and --steps are for the model demo"]),
+        (["demo", "--size", "huge"], ["invalid choice: 'huge'"]),
+        (["demo", "--steps", "0"], ["--steps must be at least 1"]),
         (["demo", "--device", "cpu", "--dtype", "complex"], ["unknown dtype 'complex'"]),
     ],
 )
@@ -435,7 +481,7 @@ def test_missing_dsl_for_a_route_exits_2(monkeypatch, capsys):
     assert_usage_error(
         code, capsys.readouterr().err, "route 'torchgraft-triton'", "triton is not installed"
     )
-    code = cli.main(["demo", "--device", "cpu", "--routes", "triton"])
+    code = cli.main(["demo", "--block", "--device", "cpu", "--routes", "triton"])
     assert_usage_error(code, capsys.readouterr().err, "route 'triton'", "triton is not installed")
 
 
@@ -754,6 +800,8 @@ def test_version_and_help(capsys):
     assert capsys.readouterr().out.startswith("torchgraft ")
     assert cli.main(["bench", "--help"]) == 0
     assert "--shapes" in capsys.readouterr().out
+    assert cli.main(["demo", "--help"]) == 0
+    assert "--block" in capsys.readouterr().out
 
 
 def test_parse_shapes_and_dtype():

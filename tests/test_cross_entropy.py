@@ -11,6 +11,8 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
 
+pytestmark = pytest.mark.default_torch
+
 
 # Gradient tolerances against float64 (relative norm): rounded once to the dtype, and once more
 # when scaled by the upstream gradient.

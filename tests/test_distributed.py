@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+pytestmark = pytest.mark.default_torch
+
 STEPS = 3
 WORLD = 2
 

@@ -28,7 +28,7 @@ from torchgraft.dsl import cutedsl, cutile, helion
 from torchgraft.dsl.lazy import LazyKernels
 from torchgraft.grafts.rms_norm import dsl_impl
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 

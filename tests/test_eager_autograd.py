@@ -12,6 +12,8 @@ from torchgraft import functional as tgf
 from torchgraft.common.eager_autograd import autograd_caller
 from torchgraft.ops.rope.reference import rope_reference
 
+pytestmark = pytest.mark.default_torch
+
 
 def _rope_inputs(requires_grad: bool = True) -> tuple[torch.Tensor, ...]:
     q = torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=requires_grad)

@@ -14,7 +14,7 @@ from torchgraft import reset_stats, stats
 from torchgraft.ops.glu.reference import geglu_reference, swiglu_reference
 from torchgraft.ops.rope.reference import rope_reference, rotate_half
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.default_torch, pytest.mark.cuda]
 
 DEV = "cuda"
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}

@@ -11,6 +11,8 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.glu.reference import geglu_reference, swiglu_reference
 
+pytestmark = pytest.mark.default_torch
+
 # Relative-norm tolerances against the float64 reference: one rounding of the output.
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 DTYPES = list(TOL)

@@ -10,7 +10,7 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.glu.reference import geglu_reference, swiglu_reference
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.default_torch, pytest.mark.cuda]
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 # float64 gradients: GeGLU's derivative Phi(x) + x phi(x) cancels near x = -0.75 (and SiLU's

@@ -17,6 +17,8 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
 
+pytestmark = pytest.mark.default_torch
+
 
 @pytest.fixture(autouse=True)
 def _own_rng():
@@ -254,6 +256,7 @@ def test_opcheck():
     torch.library.opcheck(back, (go, *plain, -100, 4, [True, True, False]))
 
 
+@pytest.mark.compat
 def test_compiles_fullgraph_without_graph_breaks():
     hidden, weight, b, target = _inputs(10, 8, 12, torch.float32)
 

@@ -17,6 +17,7 @@ from torchgraft.ops.linear_cross_entropy import registration
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
     pytest.mark.skipif(
         not registration.op_available(),

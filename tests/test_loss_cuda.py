@@ -15,7 +15,7 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.cross_entropy.reference import cross_entropy_reference
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.default_torch, pytest.mark.cuda]
 
 
 @pytest.fixture(autouse=True)

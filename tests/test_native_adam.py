@@ -11,7 +11,10 @@ from torchgraft import native
 from torchgraft.cli import list_rows
 from torchgraft.grafts.adam.reference import AdamConfig, AdamState, adam_step_reference
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # Lengths around ATen's vector widths (4, 8 and 16 lanes) and its loop tails, plus larger ones

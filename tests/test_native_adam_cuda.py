@@ -11,6 +11,7 @@ import torchgraft
 from torchgraft import native
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
 ]

@@ -16,7 +16,10 @@ from torchgraft.grafts.layer_norm.reference import (
     layer_norm_reference,
 )
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 8e-3, torch.float16: 1e-3}

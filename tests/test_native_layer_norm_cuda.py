@@ -17,6 +17,7 @@ from torchgraft.grafts.layer_norm.reference import (
 )
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
 ]

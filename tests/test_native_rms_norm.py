@@ -15,7 +15,10 @@ from torchgraft.grafts.rms_norm.reference import (
     rms_norm_reference,
 )
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # Relative-norm tolerances against a float64 reference: rounding of the output dtype.

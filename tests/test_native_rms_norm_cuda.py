@@ -15,6 +15,7 @@ from torchgraft.grafts.rms_norm.reference import (
 )
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
 ]

@@ -13,7 +13,10 @@ from torchgraft import native
 from torchgraft.cli import list_rows
 from torchgraft.grafts.softmax.reference import softmax_backward_reference, softmax_reference
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # Relative-norm tolerances against float64: the output dtype's rounding (sums of up to ~4k

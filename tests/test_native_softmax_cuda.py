@@ -15,6 +15,7 @@ from torchgraft import native
 from torchgraft.grafts.softmax.reference import softmax_backward_reference, softmax_reference
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
 ]

@@ -14,7 +14,10 @@ from torch.profiler import ProfilerActivity, profile
 from torchgraft import functional as tgf
 from torchgraft import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the native extension is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="the native extension is not built"),
+]
 
 
 def _ops_in_backward(loss_fn: Callable[[], torch.Tensor]) -> set[str]:

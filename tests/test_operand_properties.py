@@ -50,6 +50,8 @@ from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_e
 from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
 from torchgraft.ops.rope.reference import rope_eager
 
+pytestmark = pytest.mark.default_torch
+
 DRAWS = int(os.environ.get("TORCHGRAFT_PROPERTY_DRAWS", "48"))
 PLANS = plans()
 OPS = torch.ops.torchgraft

@@ -25,6 +25,8 @@ from torch import Tensor
 import torchgraft
 from operand_draws import Draw, Outcome, base_seed, describe, judge, plans, run, upcast
 
+pytestmark = pytest.mark.default_torch
+
 DRAWS = int(os.environ.get("TORCHGRAFT_PROPERTY_DRAWS", "48"))
 PLANS = plans()
 ATEN = torch.ops.aten

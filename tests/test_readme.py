@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from torchgraft import control
 from torchgraft.ops.linear_cross_entropy import registration
+
+pytestmark = pytest.mark.default_torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 from torchgraft import registry
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 
 def dump(op: str) -> str:

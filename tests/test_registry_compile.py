@@ -10,7 +10,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from conftest import rel_err
 from torchgraft import registry
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +61,7 @@ def targets(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.compat
 def test_dynamo_traces_an_overridden_op_without_graph_breaks():
     override = MMOverride()
     registry.register_op_override("test", "aten", "mm", "CPU", override.cond, override.impl)
@@ -76,6 +77,7 @@ def test_dynamo_traces_an_overridden_op_without_graph_breaks():
     assert override.calls == 1
 
 
+@pytest.mark.compat
 def test_decomp_table_puts_the_override_in_the_compiled_graph():
     override = MMOverride()
     info = registry.register_op_override("test", "aten", "mm", "CPU", override.cond, override.impl)
@@ -107,6 +109,7 @@ def test_decomp_table_leaves_unmatched_calls_to_aten():
     assert not any("torchgraft_overrides" in t for t in targets(graphs[0]))
 
 
+@pytest.mark.compat
 def test_compiled_training_step_uses_the_override_forward_and_backward():
     override = MMOverride()
     registry.register_op_override("test", "aten", "mm", "CPU", override.cond, override.impl)
@@ -145,6 +148,7 @@ def test_cond_exceptions_count_as_no_match_when_tracing():
     assert "aten.mm.default" in targets(graphs[0])
 
 
+@pytest.mark.compat
 def test_export_run_decompositions_puts_the_override_in_the_exported_graph():
     override = MMOverride()
     info = registry.register_op_override("test", "aten", "mm", "CPU", override.cond, override.impl)

@@ -14,7 +14,7 @@ import torch
 from torchgraft import registry
 from torchgraft.registry import torch_native
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("clean_overrides")]
 
 
 def dump(op: str) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from torchgraft import registry
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 
 def dump(op: str) -> str:

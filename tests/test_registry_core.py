@@ -11,7 +11,7 @@ import torch
 from conftest import rel_err
 from torchgraft import registry
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("clean_overrides")]
 
 
 def mm64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torchgraft import dsl, registry
 from torchgraft.dsl import _runtime
 from torchgraft.dsl._runtime import DSLRuntime, find_module
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 DSL_MODULES = {"triton": "triton", "cutedsl": "cutlass", "helion": "helion", "cutile": "cuda.tile"}
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"

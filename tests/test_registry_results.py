@@ -20,7 +20,7 @@ from torchgraft import registry
 from torchgraft.grafts.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
 from torchgraft.registry import outputs
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 REPO = Path(__file__).resolve().parents[1]
 

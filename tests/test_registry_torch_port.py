@@ -29,7 +29,7 @@ import torchgraft.dsl as dsl
 from torchgraft import registry
 from torchgraft.registry import OverrideNode, env
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("clean_overrides")]
 
 A = torch.tensor([2.0, 3.0])
 B = torch.tensor([4.0, 5.0])

@@ -18,7 +18,10 @@ from torchgraft import native
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split(".")[:2])
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 OP = torch.ops.aten._fused_rms_norm.default
 FWD, BWD = "native/aten::_fused_rms_norm/CPU", "native/aten::_fused_rms_norm_backward/CPU"

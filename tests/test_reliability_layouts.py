@@ -18,7 +18,10 @@ import torch
 import torchgraft
 from torchgraft import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 FWD = torch.ops.aten._fused_rms_norm.default
 BWD = torch.ops.aten._fused_rms_norm_backward.default

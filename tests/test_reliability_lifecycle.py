@@ -18,7 +18,10 @@ import torch.nn.functional as F
 import torchgraft
 from torchgraft import native, registry
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 FWD, BWD = "native/aten::_fused_rms_norm/CPU", "native/aten::_fused_rms_norm_backward/CPU"
 
@@ -56,6 +59,7 @@ def loss(y: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------- graphs outlive disable()
 
 
+@pytest.mark.compat
 def test_backward_after_disable_runs_the_graph_recorded_while_enabled():
     x = torch.randn(8, 64, requires_grad=True)
     w = torch.randn(64, requires_grad=True)
@@ -84,6 +88,7 @@ def test_a_model_whose_forward_ran_enabled_trains_after_disable():
         assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.compat
 def test_aot_eager_graph_compiled_while_enabled_runs_after_disable():
     torch._dynamo.reset()
 
@@ -213,6 +218,7 @@ def test_enable_that_fails_in_the_native_route_removes_the_python_route(monkeypa
     assert dispatch_state() == before
 
 
+@pytest.mark.compat
 def test_the_cpu_backward_graft_stays_registered_and_says_so():
     torchgraft.enable(routes=["native"])
     torchgraft.disable()
@@ -302,6 +308,7 @@ def _child_computes(queue: multiprocessing.Queue) -> None:
     queue.put((rel_err(y, ref), stats[FWD]["calls"]))
 
 
+@pytest.mark.compat
 def test_a_forked_child_runs_the_grafts():
     torchgraft.enable(routes=["native"])
     F.rms_norm(torch.randn(64, 1024), [1024])  # the parent's thread pool is up

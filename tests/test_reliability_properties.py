@@ -26,7 +26,10 @@ from hypothesis import strategies as st
 import torchgraft
 from torchgraft import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # Relative-norm tolerance of an output rounded to the dtype (a few ulps of accumulated error).

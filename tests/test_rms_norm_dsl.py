@@ -22,7 +22,7 @@ from torchgraft.grafts.rms_norm import (
     rms_norm_reference,
 )
 
-pytestmark = pytest.mark.usefixtures("clean_overrides")
+pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 needs_helion = pytest.mark.skipif(
     helion_dsl.runtime.unusable_reason() is not None,

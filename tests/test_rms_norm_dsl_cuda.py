@@ -20,7 +20,11 @@ from torchgraft.grafts.rms_norm import (
     rms_norm_reference,
 )
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("clean_overrides")]
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.cuda,
+    pytest.mark.usefixtures("clean_overrides"),
+]
 
 
 def _quack_unusable() -> str | None:
@@ -104,6 +108,7 @@ def test_helion_route(route, shape, dtype):
     check(route, shape, dtype)
 
 
+@needs_helion
 @pytest.mark.parametrize("route", ["helion"], indirect=True)
 def test_helion_declines_rows_wider_than_its_bound(route):
     hidden = dsl_cond.HELION_MAX_HIDDEN * 2

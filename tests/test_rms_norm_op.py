@@ -15,6 +15,8 @@ from torchgraft.ops.rms_norm.reference import (
     rms_norm_reference,
 )
 
+pytestmark = pytest.mark.default_torch
+
 # Relative-norm tolerances against the float64 reference: a few roundings of the output.
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = list(TOL)

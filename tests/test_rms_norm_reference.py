@@ -12,6 +12,8 @@ from torchgraft.grafts.rms_norm import (
     rms_norm_reference,
 )
 
+pytestmark = pytest.mark.default_torch
+
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (input shape, normalized_shape)

@@ -19,6 +19,8 @@ from torchgraft.grafts.rms_norm import triton_cond as cond
 from torchgraft.grafts.rms_norm import triton_crossover as crossover
 from torchgraft.grafts.rms_norm import triton_impl as impl
 
+pytestmark = pytest.mark.default_torch
+
 tk = pytest.importorskip("torchgraft.grafts.rms_norm.triton_kernels")
 
 INTERPRETED = type(tk._rms_norm_fwd_kernel).__name__ == "InterpretedFunction"

@@ -14,6 +14,7 @@ from torchgraft.grafts.rms_norm import triton_cond as cond
 from torchgraft.grafts.rms_norm import triton_impl as impl
 
 pytestmark = [
+    pytest.mark.default_torch,
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(

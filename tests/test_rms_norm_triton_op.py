@@ -12,10 +12,13 @@ from torchgraft.grafts.rms_norm import rms_norm_backward_reference, rms_norm_ref
 custom_op = pytest.importorskip("torchgraft.grafts.rms_norm.triton_op")
 triton_kernels = pytest.importorskip("torchgraft.grafts.rms_norm.triton_kernels")
 
-pytestmark = pytest.mark.skipif(
-    type(triton_kernels._rms_norm_fwd_kernel).__name__ != "InterpretedFunction",
-    reason="Triton kernels are compiled for the GPU in this process",
-)
+pytestmark = [
+    pytest.mark.default_torch,
+    pytest.mark.skipif(
+        type(triton_kernels._rms_norm_fwd_kernel).__name__ != "InterpretedFunction",
+        reason="Triton kernels are compiled for the GPU in this process",
+    ),
+]
 
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 

@@ -10,6 +10,8 @@ from torchgraft import functional as tgf
 from torchgraft import reset_stats, stats
 from torchgraft.ops.rope.reference import rope_eager, rope_reference, rotate_half
 
+pytestmark = pytest.mark.default_torch
+
 # Relative-norm tolerances against the float64 reference: one rounding of each output (a
 # gradient too: the backward is the same kind of rotation).
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}

@@ -22,6 +22,8 @@ from torchgraft import registry
 """Register a Triton-based RMSNorm as a native op override using torch._native."""
 from torchgraft.dsl import triton as triton_utils  # noqa: E402  (was: from torch._native import ...)
 
+pytestmark = pytest.mark.default_torch
+
 
 def _triton_fused_rms_norm(dispatch_keys, x, normalized_shape, weight, eps):
     """

@@ -18,7 +18,10 @@ import torch.nn.functional as F
 import torchgraft
 from torchgraft import _logging, backends, control, native, registry
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built")
+pytestmark = [
+    pytest.mark.compat,
+    pytest.mark.skipif(not native.available(), reason="torchgraft._native is not built"),
+]
 
 SOFTMAX = "native/aten::_softmax/CPU"
 LOG_SOFTMAX = "native/aten::_log_softmax/CPU"

@@ -125,30 +125,6 @@ def _parse_list(text: str | None) -> list[str] | None:
     return items
 
 
-# ---- demo ------------------------------------------------------------------------------------
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from torchgraft import control
-    from torchgraft.demo import run_demo
-
-    device = parse_device(args.device)
-    routes = _parse_list(args.routes)
-    if routes is not None:
-        unknown = [r for r in routes if r not in control.ROUTES]
-        if unknown:
-            raise CliError(f"unknown route {unknown[0]!r}; known: {', '.join(control.ROUTES)}")
-        from torchgraft.bench.routes import torchgraft_route_unavailable
-
-        for route in routes:
-            reason = torchgraft_route_unavailable(route, device)
-            if reason is not None:
-                raise CliError(f"route {route!r} cannot run on {device}: {reason}")
-    if args.rounds < 1:
-        raise CliError("--rounds must be at least 1")
-    return run_demo(device, parse_dtype(args.dtype), routes, rounds=args.rounds)
-
-
 # ---- bench -----------------------------------------------------------------------------------
 
 
@@ -701,15 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    demo = sub.add_parser(
-        "demo", help="a Llama-style block, stock vs torchgraft: grafts, accuracy, speed"
+    # Its options are torchgraft.demo's own (see 'torchgraft demo --help').
+    sub.add_parser(
+        "demo", help="a transformers Llama, stock vs torchgraft: adoption, accuracy, speed, ops"
     )
-    demo.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    demo.add_argument(
-        "--dtype", help="bf16, fp16, fp32 or fp64 (default: bf16 on CUDA, fp32 on CPU)"
-    )
-    demo.add_argument("--routes", help="comma-separated torchgraft routes (default: all)")
-    demo.add_argument("--rounds", type=int, default=5, help="timing rounds (default 5)")
 
     bench = sub.add_parser("bench", help="every route of an op side by side: table, JSON, plot")
     bench.add_argument(
@@ -761,6 +732,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from torchgraft.bench import model_command
 
             return model_command.main(args_list[2:])
+        if args_list[:1] == ["demo"]:  # its own options: torchgraft/demo
+            from torchgraft import demo
+
+            return demo.main(args_list[1:])
         args = parser.parse_args(args_list)
         if args.version:
             from torchgraft.bench.harness import torchgraft_version
@@ -769,8 +744,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command is None:
             raise CliError(f"choose a command: demo, bench, doctor or list (see '{PROG} --help')")
-        if args.command == "demo":
-            return _cmd_demo(args)
         if args.command == "bench":
             return _cmd_bench(args, args_list)
         if args.command == "doctor":

@@ -34,6 +34,8 @@ from torchgraft.ops.rope.reference import rope_eager
 __all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
+# The devices whose kernels run here and have an autocast state.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _glu_kernel_takes(gate: Tensor, up: Tensor) -> bool:
@@ -280,7 +282,9 @@ def linear_cross_entropy(
     rows = rows_of(hidden)
     flat_target = _rows_target(target, rows.shape[0])
     device = rows.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    # Only devices with autocast state (torch.amp.is_autocast_available is not traceable by
+    # dynamo before 2.12, and is_autocast_enabled raises for "meta").
+    if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
         # As F.linear under autocast: the matmul's operands in the autocast dtype.
         dtype = torch.get_autocast_dtype(device)
         rows, weight = rows.to(dtype), weight.to(dtype)

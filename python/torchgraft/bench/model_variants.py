@@ -182,6 +182,27 @@ def _prepare_compile_torchgraft(model: torch.nn.Module, setting: Setting) -> Pre
     return Prepared(call=call, active=active, undo=undo, notes=notes | compile_notes)
 
 
+def _compile_layers(model: torch.nn.Module, setting: Setting) -> dict[str, Any]:
+    """Regional compilation as torchtitan does it: each decoder layer compiled on its own (one
+    graph reused by every layer), the embedding, final norm and head eager."""
+    layers = model.get_decoder().layers
+    for layer in layers:
+        layer.compile(backend=setting.compile_backend)
+    return {"compile_backend": setting.compile_backend, "compiled_layers": len(layers)}
+
+
+def _prepare_compile_regional(model: torch.nn.Module, setting: Setting) -> Prepared:
+    notes = _compile_layers(model, setting)
+    # nn.Module.compile has no undo: the model is the variant's own and is dropped.
+    return Prepared(call=model, active=_torchgraft_off, notes=notes, undo_restores_model=False)
+
+
+def _prepare_compile_regional_torchgraft(model: torch.nn.Module, setting: Setting) -> Prepared:
+    notes, active, undo = _adopt(model)
+    notes = notes | _compile_layers(model, setting)
+    return Prepared(call=model, active=active, undo=undo, notes=notes, undo_restores_model=False)
+
+
 # ---- Liger-Kernel -------------------------------------------------------------------------------
 
 
@@ -266,6 +287,20 @@ VARIANTS: dict[str, Variant] = {
             "torch.compile of the adopted model, torchgraft enabled",
             _always,
             _prepare_compile_torchgraft,
+            grafts=True,
+        ),
+        Variant(
+            "compile-regional",
+            "torch.compile of each decoder layer (torchtitan's regional compilation)",
+            _always,
+            _prepare_compile_regional,
+            grafts=False,
+        ),
+        Variant(
+            "compile-regional+torchgraft",
+            "the adopted model's decoder layers compiled one by one, torchgraft enabled",
+            _always,
+            _prepare_compile_regional_torchgraft,
             grafts=True,
         ),
         Variant(

@@ -59,6 +59,11 @@ def _set(target: Any, name: str, value: Any) -> None:
         setattr(target, name, value)
 
 
+# Globals torch.compile installs in the module of the code it compiled (compiled graphs, resume
+# functions, builtins and imports they reference): dynamo's bookkeeping, not a patch.
+_DYNAMO_GLOBALS = ("__compiled_fn_", "__resume_at_", "__builtins_dict__", "__import_")
+
+
 class Snapshot:
     """The attribute dicts of some modules and classes at one moment."""
 
@@ -70,13 +75,15 @@ class Snapshot:
         """Every attribute that differs now (by identity), as patches from then to now.
 
         A submodule that appeared (``import pkg.sub`` binds ``sub`` on ``pkg``) is an import,
-        not a patch, and is left out."""
+        not a patch, and is left out, as are torch.compile's own globals."""
         patches = []
         for target in self.targets:
             before, now = self.values[id(target)], dict(vars(target))
             for name in sorted(before.keys() | now.keys()):
                 old, new = before.get(name, MISSING), now.get(name, MISSING)
                 if old is new or (old is MISSING and isinstance(new, ModuleType)):
+                    continue
+                if old is MISSING and name.startswith(_DYNAMO_GLOBALS):
                     continue
                 patches.append(Patch(target, name, old, new))
         return patches

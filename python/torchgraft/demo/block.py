@@ -1,4 +1,4 @@
-"""``torchgraft demo``: a Llama-style transformer block, stock and with torchgraft.
+"""``torchgraft demo --block``: a Llama-style transformer block, stock and with torchgraft.
 
 The block (two ``nn.RMSNorm``, causal attention through ``F.scaled_dot_product_attention``, a
 SwiGLU MLP) runs forward and backward with stock PyTorch, then unchanged inside
