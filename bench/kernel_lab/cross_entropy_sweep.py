@@ -28,7 +28,7 @@ class Params(ctypes.Structure):
 
 
 def main() -> None:
-    module = Module(KERNELS / "cross_entropy.cu")
+    module = Module(KERNELS / "cross_entropy" / "cross_entropy.cu")
     rows, cols = 8192, 128256
     logits = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     target = torch.randint(0, cols, (rows,), device="cuda")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-KERNELS = Path(__file__).resolve().parents[2] / "crates" / "graft-cuda" / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "crates" / "graft-cuda" / "src" / "ops"
 _FUNC_ATTR_NUM_REGS = 4
 _FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 

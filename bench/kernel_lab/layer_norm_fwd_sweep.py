@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", default="1024,2048,4096,8192")
     args = parser.parse_args()
-    module = Module(KERNELS / "layer_norm.cu")
+    module = Module(KERNELS / "layer_norm" / "layer_norm.cu")
     for cols in map(int, args.hidden.split(",")):
         sweep(module, cols)
 

@@ -106,7 +106,7 @@ def sweep(module: Module, cols: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("source", nargs="?", default=KERNELS / "layer_norm.cu")
+    parser.add_argument("source", nargs="?", default=KERNELS / "layer_norm" / "layer_norm.cu")
     parser.add_argument("--hidden", default="2048,4096,8192")
     args = parser.parse_args()
     module = Module(args.source)

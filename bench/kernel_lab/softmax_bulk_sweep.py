@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--widths", default="32768,65536,131072,262144")
     args = parser.parse_args()
     log = int(args.log)
-    split = Module(KERNELS / "softmax.cu")
+    split = Module(KERNELS / "softmax" / "softmax.cu")
     bulk = Module(Path(__file__).resolve().parent / "softmax_bulk.cu")
     room = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - 1024
     fwd_op = torch.log_softmax if log else torch.softmax

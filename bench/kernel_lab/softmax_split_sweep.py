@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--log", action="store_true", help="log-softmax")
     parser.add_argument("--widths", default="16384,32768,65536,131072,262144")
     args = parser.parse_args()
-    module = Module(KERNELS / "softmax.cu")
+    module = Module(KERNELS / "softmax" / "softmax.cu")
     room = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - 1024
     log = int(args.log)
     for cols in map(int, args.widths.split(",")):

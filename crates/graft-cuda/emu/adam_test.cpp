@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cuda_emu.h"
-#include "../kernels/adam.cu"
+#include "../src/ops/adam/adam.cu"
 
 namespace {
 

@@ -26,7 +26,7 @@ using std::log;
 inline float __expf(float v) { return std::exp(v); }
 [[noreturn]] inline void __trap() { std::abort(); }
 
-#include "../kernels/cross_entropy.cu"
+#include "../src/ops/cross_entropy/cross_entropy.cu"
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "cuda_emu.h"
-#include "../kernels/rms_norm.cu"
+#include "../src/ops/rms_norm/rms_norm.cu"
 
 namespace {
 

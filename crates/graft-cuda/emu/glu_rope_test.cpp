@@ -28,8 +28,8 @@ inline double __drcp_rn(double b) { return 1.0 / b; }
 inline float normcdf(float x) { return 0.5f * std::erfc(-x * 0.70710678f); }
 inline double normcdf(double x) { return 0.5 * std::erfc(-x * 0.7071067811865476); }
 
-#include "../kernels/glu.cu"
-#include "../kernels/rope.cu"
+#include "../src/ops/glu/glu.cu"
+#include "../src/ops/rope/rope.cu"
 
 namespace {
 

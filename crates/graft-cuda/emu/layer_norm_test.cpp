@@ -15,7 +15,7 @@
 
 #include "cuda_emu.h"
 using std::sqrt;
-#include "../kernels/layer_norm.cu"
+#include "../src/ops/layer_norm/layer_norm.cu"
 
 namespace {
 

@@ -4,7 +4,7 @@
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${TMPDIR:-/tmp}/graft-cuda-emu-$$"
-g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -rdynamic -I"$here" "$here/emu_test.cpp" -o "$out" -ldl
+g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -rdynamic -I"$here" -I"$here/../src/ops" "$here/emu_test.cpp" -o "$out" -ldl
 status=0
 "$out" "$@" || status=$?
 rm -f "$out"

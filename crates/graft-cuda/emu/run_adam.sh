@@ -4,7 +4,7 @@
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${TMPDIR:-/tmp}/graft-cuda-emu-adam-$$"
-g++ -std=c++20 -O1 -fno-strict-aliasing -ffp-contract=off -pthread -I"$here" "$here/adam_test.cpp" -o "$out"
+g++ -std=c++20 -O1 -fno-strict-aliasing -ffp-contract=off -pthread -I"$here" -I"$here/../src/ops" "$here/adam_test.cpp" -o "$out"
 status=0
 "$out" "$@" || status=$?
 rm -f "$out"

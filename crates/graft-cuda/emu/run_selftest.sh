@@ -10,5 +10,5 @@ bin="${1:-$here/../../../target/release/examples/selftest}"
 [ $# -eq 0 ] && set -- --small
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-g++ -std=c++20 -O2 -shared -fPIC -I"$here" "$here/mock_libcuda.cpp" -o "$tmp/libcuda.so.1" -ldl
+g++ -std=c++20 -O2 -shared -fPIC -I"$here" -I"$here/../src/ops" "$here/mock_libcuda.cpp" -o "$tmp/libcuda.so.1" -ldl
 LD_LIBRARY_PATH="$tmp" "$bin" "$@"

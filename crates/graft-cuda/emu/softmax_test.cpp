@@ -17,7 +17,7 @@
 #include "cuda_emu.h"
 using std::exp;
 using std::log;
-#include "../kernels/softmax.cu"
+#include "../src/ops/softmax/softmax.cu"
 
 namespace {
 
