@@ -1,4 +1,4 @@
-"""LayerNorm forward launch shapes (kernels/layer_norm.cu): the rows kernels' vector widths V
+"""LayerNorm forward launch shapes (ops/layer_norm/layer_norm.cu): the rows kernels' vector widths V
 and rows per block, and the staged kernel's block sizes, at hidden 1024 to 8192 (bf16, 128 M
 elements); y, mean and rstd checked against ATen, times against a copy. Prints the best
 shapes, the rows kernels' at target block sizes of 128 and 256 threads (src/layer_norm.rs

@@ -1,4 +1,4 @@
-"""LayerNorm backward launch shapes (kernels/layer_norm.cu rows kernels + finalize): every
+"""LayerNorm backward launch shapes (ops/layer_norm/layer_norm.cu rows kernels + finalize): every
 vector width V, rows per block, grid size and staging (the next x and dy rows copied into a
 second shared memory buffer ahead, or rows loaded straight to registers) that the launch bounds
 allow, and the bulk kernel (clusters of 4, as many as can be resident) where a block's slice

@@ -1,6 +1,6 @@
 """Softmax / log-softmax on persistent clusters with bulk copies and pushed partials
 (softmax_bulk.cu beside this file: the lab versions of the library's bulk kernels) against the
-split and loop kernels of kernels/softmax.cu, bf16, 128 M elements, at 32k-256k columns. Each
+split and loop kernels of ops/softmax/softmax.cu, bf16, 128 M elements, at 32k-256k columns. Each
 output is checked against ATen; times against a copy (forward) or 1.5 copies (backward: three
 tensors).
 

@@ -1,4 +1,4 @@
-"""Softmax launch shapes at wide rows (kernels/softmax.cu): the loop kernel (C = 1) against the
+"""Softmax launch shapes at wide rows (ops/softmax/softmax.cu): the loop kernel (C = 1) against the
 split kernels (a row over a cluster of C blocks, sm_90+), block sizes, and the rows kernel
 where it applies, at widths 16k to 256k (bf16, 128 M elements). Each output is checked against
 ATen, times against a copy (forward) or 1.5 copies (backward: three tensors move).

@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/glu.cu and kernels/rope.cu on the CPU (cuda_emu.h) and compares
+// Runs the kernels of ops/glu/glu.cu and ops/rope/rope.cu on the CPU (cuda_emu.h) and compares
 // them with float64 references: every activation, dtype and direction of the gated linear units
 // (packed and one-element paths, grid-stride loops, outputs aliasing the inputs as the in-place
 // backward uses them), and RoPE over strided q/k with GQA, broadcast tables, partial rotary dims,

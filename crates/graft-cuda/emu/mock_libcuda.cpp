@@ -102,7 +102,7 @@ CUresult cuModuleGetFunction(void** f, void*, const char* name) {
 CUresult cuFuncGetAttribute(int* v, int attr, void* f) {
   const std::string& n = static_cast<Function*>(f)->name;
   switch (attr) {
-    case 0: {  // launch bounds, as in kernels/rms_norm.cu
+    case 0: {  // launch bounds, as in ops/rms_norm/rms_norm.cu
       const bool v16 = n.find("_v16") != std::string::npos;
       const bool bwd_v8 = n.find("bwd_rows") != std::string::npos && n.find("_v8") != std::string::npos;
       *v = v16 || bwd_v8 ? 256 : 512;

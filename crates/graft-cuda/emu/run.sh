@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs kernels/rms_norm.cu on the CPU (no GPU needed): builds emu_test.cpp with g++
+# Runs ops/rms_norm/rms_norm.cu on the CPU (no GPU needed): builds emu_test.cpp with g++
 # (C++20) and runs it. Pass --quick for fewer shapes.
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"

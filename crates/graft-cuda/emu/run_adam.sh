@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs kernels/adam.cu on the CPU (no GPU needed): builds adam_test.cpp with g++ (C++20, no
+# Runs ops/adam/adam.cu on the CPU (no GPU needed): builds adam_test.cpp with g++ (C++20, no
 # floating-point contraction, so that each step rounds as written) and runs it.
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs kernels/cross_entropy.cu on the CPU (no GPU needed): builds cross_entropy_emu.cpp with
+# Runs ops/cross_entropy/cross_entropy.cu on the CPU (no GPU needed): builds cross_entropy_emu.cpp with
 # g++ (C++20) and runs it. Pass --quick for fewer launch shapes.
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"

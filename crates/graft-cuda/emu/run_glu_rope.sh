@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs kernels/glu.cu and kernels/rope.cu on the CPU (no GPU needed): builds glu_rope_test.cpp
+# Runs ops/glu/glu.cu and ops/rope/rope.cu on the CPU (no GPU needed): builds glu_rope_test.cpp
 # with g++ (C++20) and runs it.
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"

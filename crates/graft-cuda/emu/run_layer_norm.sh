@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs kernels/layer_norm.cu on the CPU (no GPU needed): builds layer_norm_test.cpp with g++ (C++20)
+# Runs ops/layer_norm/layer_norm.cu on the CPU (no GPU needed): builds layer_norm_test.cpp with g++ (C++20)
 # and runs it.
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"

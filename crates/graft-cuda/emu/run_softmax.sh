@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs kernels/softmax.cu on the CPU (no GPU needed): builds softmax_test.cpp with g++ (C++20)
+# Runs ops/softmax/softmax.cu on the CPU (no GPU needed): builds softmax_test.cpp with g++ (C++20)
 # and runs it.
 set -e
 here="$(cd "$(dirname "$0")" && pwd)"
