@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs examples/selftest.rs on the CPU: builds mock_libcuda.cpp (a libcuda.so.1 that runs
+# Runs examples/selftest/ on the CPU: builds mock_libcuda.cpp (a libcuda.so.1 that runs
 # the kernels through cuda_emu.h) and runs the selftest binary against it.
 # Usage: emu/run_selftest.sh [path/to/selftest] [selftest args; default --small]
 # Build the binary first: NVCC=... cargo build --release -p graft-cuda --example selftest
