@@ -1,7 +1,7 @@
 //! torchgraft's CUDA kernels (RMSNorm forward and backward, gated linear units, and the
-//! other fused ops, each in src/ops/<op>/ with its kernels in <op>.cu), compiled ahead of time by nvcc (build.rs) into one
-//! fatbin embedded in this library, and launched through the CUDA driver API on the
-//! caller's stream.
+//! other fused ops, each in src/ops/<op>/ with its kernels in <op>.cu), compiled ahead of
+//! time by nvcc (build.rs) into one fatbin embedded in this library, and launched through
+//! the CUDA driver API on the caller's stream.
 //!
 //! Nothing is linked at build time: the driver (`libcuda.so.1`) is opened at run time.
 //! Each device's kernels are loaded once into its primary context (the one PyTorch uses);

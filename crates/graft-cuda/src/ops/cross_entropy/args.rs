@@ -1,4 +1,4 @@
-//! cross_entropy's arguments: the public launch arguments and the `#[repr(C)]` parameter blocks of
+//! The launch arguments of the cross_entropy API and the `#[repr(C)]` parameter blocks of
 //! cross_entropy.cu's kernels.
 
 #[cfg(doc)]

@@ -1,4 +1,4 @@
-//! layer_norm's arguments: the public launch arguments and the `#[repr(C)]` parameter blocks of
+//! The launch arguments of the layer_norm API and the `#[repr(C)]` parameter blocks of
 //! layer_norm.cu's kernels.
 
 #[cfg(doc)]

@@ -1,4 +1,4 @@
-//! softmax's arguments: the public launch arguments and the `#[repr(C)]` parameter blocks of
+//! The launch arguments of the softmax API and the `#[repr(C)]` parameter blocks of
 //! softmax.cu's kernels.
 
 #[cfg(doc)]
