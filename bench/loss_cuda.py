@@ -24,9 +24,8 @@ peak memory above the inputs measured in a separate call. Routes that overwrite 
 
 Writes $OUT/loss_cuda.json when OUT is set, else bench/results/loss_cuda.json.
 Flags: --cpu-dry-run (tiny shapes on the CPU with a wall-clock timer, to check the script),
---skip-compile, --only ce|lce (one of the two benchmarks). Environment:
-TORCHGRAFT_CE_ROWS_TUNING="threads,blocks_per_sm" changes the CUDA row kernel's launch shape
-(default 1024,1) for a sweep.
+--skip-compile, --only ce|lce (one of the two benchmarks). The CUDA row kernel's launch shape
+is swept by bench/kernel_lab/cross_entropy_sweep.py.
 """
 
 from __future__ import annotations
@@ -300,7 +299,6 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "rows_tuning": os.environ.get("TORCHGRAFT_CE_ROWS_TUNING", "default"),
         "cross_entropy": ce,
         "linear_cross_entropy": lce,
         "seconds": time.time() - T0,

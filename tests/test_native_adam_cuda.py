@@ -100,7 +100,7 @@ def test_bitwise_equal_to_aten_cuda(dtype, op, amsgrad, options):
     assert torchgraft.stats()[key(op)]["calls"] == 1
     if op == "adam" and not amsgrad and options == "maximize_scale" and dtype != torch.float64:
         # Adam's L2 term `grad + param * weight_decay` is rounded as ATen's build rounds it per
-        # element (kernels/adam.cu), measured for the plain options; with maximize and a grad
+        # element (ops/adam/adam.cu), measured for the plain options; with maximize and a grad
         # scale, ATen's unvectorized path (sizes not a multiple of 4) rounds that term otherwise
         # in some elements (H100, torch 2.11+cu130): one rounding of the gradient apart.
         assert_close_to_aten(ours, theirs)

@@ -1,4 +1,4 @@
-"""Cross-entropy rows kernel launch shapes (kernels/cross_entropy.cu `graft_ce_rows_*`): one
+"""Cross-entropy rows kernel launch shapes (ops/cross_entropy/cross_entropy.cu, `graft_ce_rows_*`):
 1024-thread block, two 512-thread or four 256-thread blocks per SM, at 8192 x 128256 (bf16),
 loss alone and loss with the gradient written over the logits; three alternating rounds of
 medians. The loss is checked against ``F.cross_entropy`` once per shape.
@@ -28,7 +28,7 @@ class Params(ctypes.Structure):
 
 
 def main() -> None:
-    module = Module(KERNELS / "cross_entropy.cu")
+    module = Module(KERNELS / "cross_entropy" / "cross_entropy.cu")
     rows, cols = 8192, 128256
     logits = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     target = torch.randint(0, cols, (rows,), device="cuda")

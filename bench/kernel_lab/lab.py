@@ -1,5 +1,5 @@
-"""Kernel lab: launch the entry points of one of crates/graft-cuda/kernels/*.cu (or a variant
-of it) with launch shapes of your choice, on the GPU machine, without building a wheel.
+"""Kernel lab: launch the entry points of one of crates/graft-cuda/src/ops/<op>/<op>.cu (or a
+variant of it) with launch shapes of your choice, on the GPU machine, without building a wheel.
 
 The source is compiled there with nvcc to a cubin, loaded through the CUDA driver API (ctypes)
 into the context torch uses, and launched on torch's current stream; times are medians of CUDA
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-KERNELS = Path(__file__).resolve().parents[2] / "crates" / "graft-cuda" / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "crates" / "graft-cuda" / "src" / "ops"
 _FUNC_ATTR_NUM_REGS = 4
 _FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -35,7 +35,10 @@ class Module:
         major, minor = torch.cuda.get_device_capability()
         out = Path("/tmp") / f"{Path(source).name}.sm{major}{minor}.cubin"
         nvcc = os.environ.get("NVCC", "nvcc")
-        cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch=sm_{major}{minor}", "-I", KERNELS]
+        # common.cuh is in KERNELS, each op's <op>.cu (included by variants) in KERNELS/<op>.
+        includes = [KERNELS, *sorted(d for d in KERNELS.iterdir() if d.is_dir())]
+        cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch=sm_{major}{minor}"]
+        cmd += [arg for d in includes for arg in ("-I", d)]
         subprocess.run([*map(str, cmd), *extra_flags, str(source), "-o", str(out)], check=True)
         torch.empty(1, device="cuda")  # torch's primary context, current on this thread
         self._cuda = ctypes.CDLL("libcuda.so.1")

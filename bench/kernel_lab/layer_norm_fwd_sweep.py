@@ -1,4 +1,4 @@
-"""LayerNorm forward launch shapes (kernels/layer_norm.cu): the rows kernels' vector widths V
+"""LayerNorm forward launch shapes (ops/layer_norm/layer_norm.cu): the rows kernels' vector widths V
 and rows per block, and the staged kernel's block sizes, at hidden 1024 to 8192 (bf16, 128 M
 elements); y, mean and rstd checked against ATen, times against a copy. Prints the best
 shapes, the rows kernels' at target block sizes of 128 and 256 threads (src/layer_norm.rs
@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", default="1024,2048,4096,8192")
     args = parser.parse_args()
-    module = Module(KERNELS / "layer_norm.cu")
+    module = Module(KERNELS / "layer_norm" / "layer_norm.cu")
     for cols in map(int, args.hidden.split(",")):
         sweep(module, cols)
 

@@ -1,4 +1,4 @@
-"""LayerNorm backward launch shapes (kernels/layer_norm.cu rows kernels + finalize): every
+"""LayerNorm backward launch shapes (ops/layer_norm/layer_norm.cu rows kernels + finalize): every
 vector width V, rows per block, grid size and staging (the next x and dy rows copied into a
 second shared memory buffer ahead, or rows loaded straight to registers) that the launch bounds
 allow, and the bulk kernel (clusters of 4, as many as can be resident) where a block's slice
@@ -106,7 +106,7 @@ def sweep(module: Module, cols: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("source", nargs="?", default=KERNELS / "layer_norm.cu")
+    parser.add_argument("source", nargs="?", default=KERNELS / "layer_norm" / "layer_norm.cu")
     parser.add_argument("--hidden", default="2048,4096,8192")
     args = parser.parse_args()
     module = Module(args.source)

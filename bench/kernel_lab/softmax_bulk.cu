@@ -20,7 +20,7 @@
 // 2^(v log2 e - (m log2 e + log2 s)) with one fma.
 #include "softmax.cu"
 namespace graft_bulk {
-// The primitives are kernels/common.cuh's (mbarriers, bulk copies, st.async, exp2_ftz).
+// The primitives are ops/common.cuh's (mbarriers, bulk copies, st.async, exp2_ftz).
 using graft_common::bulk_copy_to_shared;
 using graft_common::exp2_ftz;
 using graft_common::fence_async_shared;

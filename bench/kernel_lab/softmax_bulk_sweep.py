@@ -1,6 +1,6 @@
 """Softmax / log-softmax on persistent clusters with bulk copies and pushed partials
 (softmax_bulk.cu beside this file: the lab versions of the library's bulk kernels) against the
-split and loop kernels of kernels/softmax.cu, bf16, 128 M elements, at 32k-256k columns. Each
+split and loop kernels of ops/softmax/softmax.cu, bf16, 128 M elements, at 32k-256k columns. Each
 output is checked against ATen; times against a copy (forward) or 1.5 copies (backward: three
 tensors).
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--widths", default="32768,65536,131072,262144")
     args = parser.parse_args()
     log = int(args.log)
-    split = Module(KERNELS / "softmax.cu")
+    split = Module(KERNELS / "softmax" / "softmax.cu")
     bulk = Module(Path(__file__).resolve().parent / "softmax_bulk.cu")
     room = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - 1024
     fwd_op = torch.log_softmax if log else torch.softmax

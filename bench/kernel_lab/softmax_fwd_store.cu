@@ -1,4 +1,4 @@
-// Kernel lab (not built into the library): kernels/softmax.cu's forward bulk kernel in both of
+// Kernel lab (not built into the library): ops/softmax/softmax.cu's forward bulk kernel in both of
 // its store modes, for clusters of 2, 4 and 8, bf16: y by the threads' 16-byte stores
 // (lab_fwd{C}_threads) or written over the staged x and sent by bulk copy (lab_fwd{C}_bulk).
 // Launched by softmax_fwd_store_sweep.py beside this file.

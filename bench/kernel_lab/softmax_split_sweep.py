@@ -1,4 +1,4 @@
-"""Softmax launch shapes at wide rows (kernels/softmax.cu): the loop kernel (C = 1) against the
+"""Softmax launch shapes at wide rows (ops/softmax/softmax.cu): the loop kernel (C = 1) against the
 split kernels (a row over a cluster of C blocks, sm_90+), block sizes, and the rows kernel
 where it applies, at widths 16k to 256k (bf16, 128 M elements). Each output is checked against
 ATen, times against a copy (forward) or 1.5 copies (backward: three tensors move).
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--log", action="store_true", help="log-softmax")
     parser.add_argument("--widths", default="16384,32768,65536,131072,262144")
     args = parser.parse_args()
-    module = Module(KERNELS / "softmax.cu")
+    module = Module(KERNELS / "softmax" / "softmax.cu")
     room = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - 1024
     log = int(args.log)
     for cols in map(int, args.widths.split(",")):

@@ -1,4 +1,4 @@
-//! Compiles kernels/*.cu with nvcc into one fatbin (SASS for sm_80, sm_90 and, when this
+//! Compiles every op's kernels (src/ops/<op>/<op>.cu, sharing src/ops/common.cuh) with nvcc into one fatbin (SASS for sm_80, sm_90 and, when this
 //! nvcc supports it, sm_100, plus compute_90 PTX) that src/fatbin.rs embeds.
 //!
 //! nvcc is `$NVCC`, else `nvcc` on PATH, else `$CUDA_HOME/bin/nvcc`. Without nvcc, or when
@@ -18,7 +18,6 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(graft_cuda_kernels)");
     println!("cargo::rerun-if-env-changed=NVCC");
     println!("cargo::rerun-if-env-changed=CUDA_HOME");
-    println!("cargo::rerun-if-changed=kernels");
 
     // Lets the tests insist on kernels when the build was given an nvcc.
     let requested = env::var_os("NVCC").is_some_and(|v| !v.is_empty());
@@ -27,16 +26,27 @@ fn main() {
         if requested { "1" } else { "0" }
     );
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let kernel_dir =
-        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets it")).join("kernels");
-    let sources = cuda_sources(&kernel_dir);
+    let ops_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets it"))
+        .join("src")
+        .join("ops");
+    let sources = cuda_sources(&ops_dir);
+    // Not the whole src/ops (its Rust files would rebuild the kernels): the sources, the shared
+    // header, and ops/mod.rs, which a new op's folder comes with.
     for src in &sources {
         println!("cargo::rerun-if-changed={}", src.display());
     }
+    println!(
+        "cargo::rerun-if-changed={}",
+        ops_dir.join("common.cuh").display()
+    );
+    println!(
+        "cargo::rerun-if-changed={}",
+        ops_dir.join("mod.rs").display()
+    );
     // A stale fatbin from an earlier build must not be embedded if this one fails.
     let _ = fs::remove_file(out_dir.join(FATBIN));
 
-    match build(&out_dir, &sources) {
+    match build(&out_dir, &ops_dir, &sources) {
         Ok(spills) => {
             println!("cargo::rustc-cfg=graft_cuda_kernels");
             for name in spills {
@@ -49,12 +59,16 @@ fn main() {
     }
 }
 
-/// Every kernels/*.cu (sorted, so the build is reproducible).
-fn cuda_sources(dir: &Path) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = fs::read_dir(dir)
+/// Every op's kernel source, `<ops>/<op>/<op>.cu` (sorted, so the build is reproducible).
+fn cuda_sources(ops_dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = fs::read_dir(ops_dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+                .filter_map(|dir| {
+                    let op = dir.file_name()?.to_str()?.to_owned();
+                    let src = dir.join(format!("{op}.cu"));
+                    src.is_file().then_some(src)
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -89,9 +103,9 @@ fn find_nvcc() -> Result<PathBuf, String> {
 }
 
 /// Builds the fatbin; returns the names of kernels that spill.
-fn build(out_dir: &Path, sources: &[PathBuf]) -> Result<Vec<String>, String> {
+fn build(out_dir: &Path, ops_dir: &Path, sources: &[PathBuf]) -> Result<Vec<String>, String> {
     if sources.is_empty() {
-        return Err("no kernels/*.cu sources".into());
+        return Err("no src/ops/<op>/<op>.cu sources".into());
     }
     let nvcc = find_nvcc()?;
 
@@ -119,7 +133,10 @@ fn build(out_dir: &Path, sources: &[PathBuf]) -> Result<Vec<String>, String> {
         .args(["-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v"])
         // zstd-compressed device code: 3 MB instead of 25 MB (line info included).
         .arg("--compress-mode=size")
-        .args(["--threads", "0"]);
+        .args(["--threads", "0"])
+        // common.cuh, shared by the ops' sources.
+        .arg("-I")
+        .arg(ops_dir);
     for a in &archs {
         cmd.arg(format!("-gencode=arch=compute_{a},code=sm_{a}"));
     }

@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/adam.cu on the CPU (cuda_emu.h): every mode, dtype and AMSGrad
+// Runs the kernels of ops/adam/adam.cu on the CPU (cuda_emu.h): every mode, dtype and AMSGrad
 // variant over a list of tensors of many lengths (whole packs, odd tails, misaligned starts
 // that take the scalar path, tensors spanning several blocks), with grad scale, maximize and
 // found_inf, and compares every output to the bit with a host transcription of ATen's CUDA
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cuda_emu.h"
-#include "../kernels/adam.cu"
+#include "../src/ops/adam/adam.cu"
 
 namespace {
 
@@ -133,7 +133,7 @@ void run_case(void (*kernel)(AdamParams), const char* name, bool scaled, bool ma
     Tensor5& r = ref[i];
     T* d[5];
     for (int k = 0; k < 5; ++k) d[k] = reinterpret_cast<T*>(r.mem[k].data()) + r.offset;
-    // Which elements ATen computes `grad + param * weight_decay` unfused (kernels/adam.cu,
+    // Which elements ATen computes `grad + param * weight_decay` unfused (ops/adam/adam.cu,
     // aten_first_of_strided): its path depends on the size and on the kernel's buffers.
     unsigned long long any_address = 0;
     for (int k = 0; k < (AMS ? 5 : 4); ++k)

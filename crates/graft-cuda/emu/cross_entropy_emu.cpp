@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/cross_entropy.cu on the CPU (cuda_emu.h): the rows kernel for
+// Runs the kernels of ops/cross_entropy/cross_entropy.cu on the CPU (cuda_emu.h): the rows kernel for
 // every dtype over odd row lengths and misaligned rows (head / packs / tail), loss only, a
 // separate gradient (same and different 16-byte phase) and the gradient over the logits, label
 // smoothing, ignored rows, a mean's count, per-row scales, rows masked with -inf, block sizes
@@ -26,7 +26,7 @@ using std::log;
 inline float __expf(float v) { return std::exp(v); }
 [[noreturn]] inline void __trap() { std::abort(); }
 
-#include "../kernels/cross_entropy.cu"
+#include "../src/ops/cross_entropy/cross_entropy.cu"
 
 namespace {
 

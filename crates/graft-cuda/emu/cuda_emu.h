@@ -1,4 +1,4 @@
-// A CPU stand-in for the few CUDA features kernels/rms_norm.cu uses, so that its kernels
+// A CPU stand-in for the few CUDA features ops/rms_norm/rms_norm.cu uses, so that its kernels
 // can be run and checked on a machine without a GPU (emu/emu_test.cpp; emu/run.sh).
 //
 // One CUDA thread is one fiber (ucontext) with its own stack; the fibers of a block take
@@ -69,7 +69,7 @@ inline void wait(Barrier& b) {
 }
 }  // namespace graft_emu
 
-// A wait on an emulated mbarrier (kernels/common.cuh) lets the block's other threads run.
+// A wait on an emulated mbarrier (ops/common.cuh) lets the block's other threads run.
 #define GRAFT_EMU_YIELD() graft_emu::yield()
 
 inline dim3 blockDim, gridDim;

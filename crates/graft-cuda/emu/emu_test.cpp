@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/rms_norm.cu on the CPU (cuda_emu.h) over many shapes and
+// Runs the kernels of ops/rms_norm/rms_norm.cu on the CPU (cuda_emu.h) over many shapes and
 // launch configurations (every V of every rows kernel, vector and scalar paths, sub-warp
 // and multi-warp row groups, several rows per block, grid-stride loops, the loop kernels,
 // dx/dw modes, the weight modes of torchgraft::rms_norm) and compares with a float64
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "cuda_emu.h"
-#include "../kernels/rms_norm.cu"
+#include "../src/ops/rms_norm/rms_norm.cu"
 
 namespace {
 

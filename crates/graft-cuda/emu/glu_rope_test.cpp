@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/glu.cu and kernels/rope.cu on the CPU (cuda_emu.h) and compares
+// Runs the kernels of ops/glu/glu.cu and ops/rope/rope.cu on the CPU (cuda_emu.h) and compares
 // them with float64 references: every activation, dtype and direction of the gated linear units
 // (packed and one-element paths, grid-stride loops, outputs aliasing the inputs as the in-place
 // backward uses them), and RoPE over strided q/k with GQA, broadcast tables, partial rotary dims,
@@ -28,8 +28,8 @@ inline double __drcp_rn(double b) { return 1.0 / b; }
 inline float normcdf(float x) { return 0.5f * std::erfc(-x * 0.70710678f); }
 inline double normcdf(double x) { return 0.5 * std::erfc(-x * 0.7071067811865476); }
 
-#include "../kernels/glu.cu"
-#include "../kernels/rope.cu"
+#include "../src/ops/glu/glu.cu"
+#include "../src/ops/rope/rope.cu"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/layer_norm.cu on the CPU (cuda_emu.h): every dtype, the rows
+// Runs the kernels of ops/layer_norm/layer_norm.cu on the CPU (cuda_emu.h): every dtype, the rows
 // kernels at every V (vector and scalar, sub-warp and multi-warp row groups, several rows per
 // block, grid-stride loops), the loop kernels, the staged forward, the bulk backward (clusters
 // of one block), weight and bias present or not, dx / dw / db alone or together through the
@@ -15,7 +15,7 @@
 
 #include "cuda_emu.h"
 using std::sqrt;
-#include "../kernels/layer_norm.cu"
+#include "../src/ops/layer_norm/layer_norm.cu"
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "cuda_emu.h"
-#include "../kernels/rms_norm.cu"
+#include "../src/ops/rms_norm/rms_norm.cu"
 
 namespace {
 using CUresult = int;
@@ -102,7 +102,7 @@ CUresult cuModuleGetFunction(void** f, void*, const char* name) {
 CUresult cuFuncGetAttribute(int* v, int attr, void* f) {
   const std::string& n = static_cast<Function*>(f)->name;
   switch (attr) {
-    case 0: {  // launch bounds, as in kernels/rms_norm.cu
+    case 0: {  // launch bounds, as in ops/rms_norm/rms_norm.cu
       const bool v16 = n.find("_v16") != std::string::npos;
       const bool bwd_v8 = n.find("bwd_rows") != std::string::npos && n.find("_v8") != std::string::npos;
       *v = v16 || bwd_v8 ? 256 : 512;

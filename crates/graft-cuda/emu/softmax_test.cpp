@@ -1,4 +1,4 @@
-// Runs the kernels of kernels/softmax.cu on the CPU (cuda_emu.h): every type pair, the rows
+// Runs the kernels of ops/softmax/softmax.cu on the CPU (cuda_emu.h): every type pair, the rows
 // kernels at every V (vector and scalar, sub-warp and multi-warp row groups, several rows per
 // block, grid-stride loops, misaligned rows), the loop kernels (staged and not), the bulk
 // kernels (clusters of one block), the cols kernels (several slicings of dim), softmax and
@@ -17,7 +17,7 @@
 #include "cuda_emu.h"
 using std::exp;
 using std::log;
-#include "../kernels/softmax.cu"
+#include "../src/ops/softmax/softmax.cu"
 
 namespace {
 
@@ -261,7 +261,7 @@ unsigned group_threads(long need) {
   return unsigned((need + 31) / 32 * 32);
 }
 
-// The rows kernels' launch bounds (kernels/softmax.cu RowsBounds).
+// The rows kernels' launch bounds (ops/softmax/softmax.cu RowsBounds).
 int rows_max(bool backward, size_t size, int v, bool vec) {
 #define B(BWD, SIZE, V, VEC)                                                         \
   if (backward == BWD && size == SIZE && v == V && vec == VEC)                       \

@@ -4,11 +4,12 @@
 
 use std::ffi::{c_char, c_int};
 
-use crate::config::{DeviceLimits, KernelAttrs};
-use crate::device;
-use crate::driver::{self, Api, ContextGuard, CuDevicePtr, CuEvent, CuStream};
-use crate::error::CudaError;
-use crate::kernels;
+use crate::ops::rms_norm;
+use crate::runtime::config::{DeviceLimits, KernelAttrs};
+use crate::runtime::device;
+use crate::runtime::driver::{self, Api, ContextGuard, CuDevicePtr, CuEvent, CuStream};
+use crate::runtime::error::CudaError;
+use crate::runtime::kernels;
 
 fn enter(device: i32) -> Result<(&'static Api, ContextGuard), CudaError> {
     let api = driver::api()?;
@@ -72,10 +73,11 @@ pub struct LoadedKernel {
     pub local_bytes: u32,
 }
 
-/// Every kernel of `device`'s loaded module (loads it if needed).
+/// RMSNorm's kernels (the first of the kernel table) as `device` loaded them (loads them if
+/// needed).
 pub fn loaded_kernels(device: i32) -> Result<Vec<LoadedKernel>, CudaError> {
     let st = device::state(device)?;
-    Ok((0..kernels::NUM_KERNELS)
+    Ok((0..rms_norm::NUM_KERNELS)
         .map(|i| LoadedKernel {
             name: kernels::name(i),
             attrs: st.attrs[i],

@@ -1,4 +1,4 @@
-//! Runs every kernel of kernels/adam.cu on the CPU through emu/ (needs `sh` and a C++20 `g++`)
+//! Runs every kernel of ops/adam/adam.cu on the CPU through emu/ (needs `sh` and a C++20 `g++`)
 //! and compares every output to the bit with a host transcription of ATen's CUDA arithmetic:
 //! indexing, chunking across tensors, vector and scalar paths, and the rounding of each step.
 

@@ -1,4 +1,4 @@
-//! Runs the kernels of kernels/cross_entropy.cu on the CPU through emu/ (needs `sh` and a C++20
+//! Runs the kernels of ops/cross_entropy/cross_entropy.cu on the CPU through emu/ (needs `sh` and a C++20
 //! `g++`): every dtype, row shapes and alignments, gradient modes, ignored and masked rows,
 //! block shapes, the count / reduce / scale kernels, checked against float64 without a GPU.
 

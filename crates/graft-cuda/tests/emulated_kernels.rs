@@ -1,4 +1,4 @@
-//! Runs every kernel of kernels/rms_norm.cu on the CPU through emu/ (a fiber-based stand-in
+//! Runs every kernel of ops/rms_norm/rms_norm.cu on the CPU through emu/ (a fiber-based stand-in
 //! for the CUDA features the kernels use; needs `sh` and a C++20 `g++`): indexing,
 //! coverage, reductions and numerics of every kernel variant, checked against float64,
 //! without a GPU.
@@ -16,7 +16,7 @@ fn every_kernel_variant_matches_float64_on_the_cpu_emulator() {
     );
 }
 
-/// kernels/glu.cu and kernels/rope.cu on the emulator (emu/glu_rope_test.cpp): every
+/// ops/glu/glu.cu and ops/rope/rope.cu on the emulator (emu/glu_rope_test.cpp): every
 /// activation, dtype and direction of the gated linear units, packed and one-element paths,
 /// in-place backward; RoPE over strided GQA operands with broadcast and partial tables.
 #[test]

@@ -1,4 +1,4 @@
-//! Runs every kernel of kernels/layer_norm.cu on the CPU through emu/ (needs `sh` and a C++20
+//! Runs every kernel of ops/layer_norm/layer_norm.cu on the CPU through emu/ (needs `sh` and a C++20
 //! `g++`) and compares the outputs with a float64 reference: every dtype, rows kernels at every
 //! V (vector and scalar), loop kernels, weight and bias present or not, dx / dw / db through
 //! the finalize kernel.

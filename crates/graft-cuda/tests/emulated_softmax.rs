@@ -1,4 +1,4 @@
-//! Runs every kernel of kernels/softmax.cu on the CPU through emu/ (needs `sh` and a C++20
+//! Runs every kernel of ops/softmax/softmax.cu on the CPU through emu/ (needs `sh` and a C++20
 //! `g++`) and compares the outputs with a float64 reference: every type pair, rows kernels at
 //! every V (vector and scalar), loop kernels staged and not, cols kernels, softmax and
 //! log-softmax, forward and backward, and rows of special values (NaN, +inf, -inf).

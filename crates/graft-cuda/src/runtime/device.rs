@@ -5,17 +5,17 @@
 use std::ffi::{c_int, CString};
 use std::sync::{Mutex, OnceLock};
 
-use crate::config::{DeviceLimits, KernelAttrs};
-use crate::driver::{self, Api, ContextGuard, CuContext, CuDevice, CuFunction, CuModule};
-use crate::error::{CudaError, ErrorKind};
-use crate::{fatbin, kernels};
+use super::config::{DeviceLimits, KernelAttrs};
+use super::driver::{self, Api, ContextGuard, CuContext, CuDevice, CuFunction, CuModule};
+use super::error::{CudaError, ErrorKind};
+use super::{fatbin, kernels};
 
 /// One device's loaded kernels.
 pub(crate) struct DeviceState {
     /// The device's primary context (the one PyTorch uses), retained for the process.
     pub ctx: CuContext,
     pub limits: DeviceLimits,
-    /// Kernel handles and attributes, indexed as in [`kernels`].
+    /// Kernel handles and attributes, indexed as in the kernel table ([`kernels::table`]).
     pub functions: Box<[CuFunction]>,
     pub attrs: Box<[KernelAttrs]>,
     /// Local memory (spill) bytes per thread of each kernel, as loaded.
@@ -223,11 +223,12 @@ fn load(api: &'static Api, ordinal: i32, ctx: CuContext) -> Result<DeviceState, 
     let r = unsafe { (api.cu_module_load_data)(&mut module, image.as_ptr().cast()) };
     api.check("cuModuleLoadData (graft-cuda kernels)", r)?;
 
-    let names = kernels::all_names();
-    let mut functions = Vec::with_capacity(names.len());
-    let mut attrs = Vec::with_capacity(names.len());
-    let mut local_bytes = Vec::with_capacity(names.len());
-    for name in &names {
+    let table = kernels::table();
+    let mut functions = Vec::with_capacity(table.len());
+    let mut attrs = Vec::with_capacity(table.len());
+    let mut local_bytes = Vec::with_capacity(table.len());
+    for kernel in table {
+        let name = &kernel.name;
         let cname = CString::new(name.as_str()).expect("kernel names have no NUL");
         let mut f: CuFunction = std::ptr::null_mut();
         // SAFETY: module is loaded; cname is NUL-terminated; one handle is written.
@@ -238,13 +239,7 @@ fn load(api: &'static Api, ordinal: i32, ctx: CuContext) -> Result<DeviceState, 
             static_smem: func_attribute(api, f, driver::FUNC_ATTR_SHARED_SIZE_BYTES)?,
             max_threads: func_attribute(api, f, driver::FUNC_ATTR_MAX_THREADS_PER_BLOCK)?,
         };
-        // RMSNorm's backward kernels, softmax's loop kernels and LayerNorm's backward rows
-        // kernels may take more than the default 48 KB of dynamic shared memory (a dw partial
-        // row, or staged rows).
-        if name.starts_with("graft_rms_bwd_")
-            || crate::softmax::wants_large_smem(name)
-            || crate::layer_norm::wants_large_smem(name)
-        {
+        if kernel.attrs.large_smem {
             let max_dyn = limits.smem_per_block_optin.saturating_sub(k.static_smem);
             // SAFETY: f is a valid function handle; the value is within the device limit.
             let r = unsafe {
@@ -256,10 +251,8 @@ fn load(api: &'static Api, ordinal: i32, ctx: CuContext) -> Result<DeviceState, 
             };
             api.check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", r)?;
         }
-        // Softmax's widest backward runs in clusters of 16. The answer is not checked: where
-        // the driver refuses, its occupancy query finds no such cluster resident and the rows
-        // go to the split kernels.
-        if limits.clusters && crate::softmax::wants_large_cluster(name) {
+        // The answer is not checked (see LoadAttrs::large_cluster).
+        if limits.clusters && kernel.attrs.large_cluster {
             // SAFETY: f is a valid function handle; the attribute takes 0 or 1.
             let _ = unsafe {
                 (api.cu_func_set_attribute)(

@@ -1,8 +1,9 @@
 //! Gated linear units (SwiGLU, GeGLU) over contiguous arrays: `y = act(gate) * up` and its
-//! backward, launched from kernels/glu.cu.
+//! backward, launched from glu.cu.
 
-use crate::error::CudaError;
-use crate::launch::{grid_covering, launch_named, NamedLaunch};
+use crate::runtime::error::CudaError;
+use crate::runtime::kernels::Kernel;
+use crate::runtime::launch::{grid_covering, launch_named, NamedLaunch};
 use crate::DType;
 
 /// The activation applied to the gate.
@@ -78,7 +79,7 @@ pub struct GluBackward {
     pub n: usize,
 }
 
-/// `graft_glu::GluParams` of kernels/glu.cu (every field 8 bytes).
+/// `graft_glu::GluParams` of glu.cu (every field 8 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct GluParams {
@@ -102,8 +103,13 @@ fn dtype_tag(d: DType) -> &'static str {
     }
 }
 
-/// Entry points of kernels/glu.cu, for the kernel table.
-pub(crate) fn kernel_names() -> Vec<String> {
+/// glu's kernel table: its kernels need no attribute set at load time.
+pub(crate) fn kernel_table() -> Vec<Kernel> {
+    kernel_names().into_iter().map(Kernel::plain).collect()
+}
+
+/// Entry points of glu.cu.
+fn kernel_names() -> Vec<String> {
     let mut out = Vec::new();
     for act in GluActivation::ALL {
         for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {

@@ -1,7 +1,5 @@
-//! Kernel parameter blocks, laid out exactly as the structs in kernels/rms_norm.cu (every
+//! RMSNorm's kernel parameter blocks, laid out exactly as the structs in rms_norm.cu (every
 //! field 8 bytes, so `#[repr(C)]` has no padding to disagree about).
-
-use std::ffi::c_void;
 
 /// `graft::FwdParams`.
 #[repr(C)]
@@ -55,18 +53,13 @@ pub(crate) struct FinalizeParams {
     pub cols: i64,
 }
 
-/// The `kernelParams` array for a kernel taking one struct by value: a pointer to it.
-pub(crate) fn args<T>(p: &mut T) -> [*mut c_void; 1] {
-    [(p as *mut T).cast::<c_void>()]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn sizes_match_the_cuda_structs() {
-        // 13, 17 and 4 eight-byte fields (kernels/rms_norm.cu).
+        // 13, 17 and 4 eight-byte fields (rms_norm.cu).
         assert_eq!(std::mem::size_of::<FwdParams>(), 104);
         assert_eq!(std::mem::size_of::<BwdParams>(), 136);
         assert_eq!(std::mem::size_of::<FinalizeParams>(), 32);

@@ -1,17 +1,22 @@
 //! Launching a kernel of the embedded module: one by-value parameter struct per kernel.
 //!
-//! RMSNorm's kernels are found by their index in the kernel table ([`crate::kernels`]); the
-//! other families by entry-point name ([`launch_named`]), looked up in the same table.
+//! A kernel is found by its index in the kernel table ([`super::kernels`]), or by its
+//! entry-point name ([`launch_named`]), looked up in the same table.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::OnceLock;
 
-use crate::config::MAX_GRID;
-use crate::device::{self, DeviceState};
-use crate::driver::{self, Api, ContextGuard, CuStream};
-use crate::error::CudaError;
-use crate::kernels;
-use crate::params::args;
+use super::config::MAX_GRID;
+use super::device::{self, DeviceState};
+use super::driver::{self, Api, ContextGuard, CuStream};
+use super::error::CudaError;
+use super::kernels;
+
+/// The `kernelParams` array for a kernel taking one struct by value: a pointer to it.
+pub(crate) fn args<T>(p: &mut T) -> [*mut c_void; 1] {
+    [(p as *mut T).cast::<c_void>()]
+}
 
 /// Launches kernel `kernel` of `st` with `params` (a `#[repr(C)]` mirror of the kernel's single
 /// by-value struct parameter) on `stream`. The caller holds a [`ContextGuard`] for `st`.
@@ -57,10 +62,10 @@ pub(crate) fn launch<P>(
 pub(crate) fn index_of(name: &str) -> Result<usize, CudaError> {
     static INDEX: OnceLock<HashMap<String, usize>> = OnceLock::new();
     let index = INDEX.get_or_init(|| {
-        kernels::all_names()
-            .into_iter()
+        kernels::table()
+            .iter()
             .enumerate()
-            .map(|(i, n)| (n, i))
+            .map(|(i, k)| (k.name.clone(), i))
             .collect()
     });
     index

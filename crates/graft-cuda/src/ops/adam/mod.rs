@@ -1,12 +1,13 @@
-//! Fused Adam / AdamW steps over lists of tensors (kernels/adam.cu): the arithmetic of ATen's
+//! Fused Adam / AdamW steps over lists of tensors (adam.cu): the arithmetic of ATen's
 //! `_fused_adam_` / `_fused_adamw_` CUDA kernel, in as few launches as the parameter block
 //! allows (up to [`MAX_TENSORS`] tensors each).
 
-use crate::error::CudaError;
-use crate::launch::{launch_named, NamedLaunch};
+use crate::runtime::error::CudaError;
+use crate::runtime::kernels::Kernel;
+use crate::runtime::launch::{launch_named, NamedLaunch};
 use crate::DType;
 
-/// Tensors one launch carries (`kMaxTensors` in kernels/adam.cu).
+/// Tensors one launch carries (`kMaxTensors` in adam.cu).
 pub const MAX_TENSORS: usize = 480;
 /// Elements per block: a multiple of every pack size, large enough that the per-block
 /// constants (two `pow`) cost nothing, small enough to spread a small tensor over many SMs.
@@ -77,7 +78,7 @@ pub struct AdamStep<'a> {
     pub tensors: &'a [AdamTensor],
 }
 
-/// `graft_adam::AdamParams` of kernels/adam.cu (every field 8 bytes).
+/// `graft_adam::AdamParams` of adam.cu (every field 8 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct AdamParams {
@@ -120,8 +121,13 @@ fn kernel_name(mode: AdamMode, dtype: DType, amsgrad: bool) -> String {
     format!("graft_adam_{mode}_{}_{ams}", dtype_tag(dtype))
 }
 
-/// Entry points of kernels/adam.cu, for the kernel table.
-pub(crate) fn kernel_names() -> Vec<String> {
+/// adam's kernel table: its kernels need no attribute set at load time.
+pub(crate) fn kernel_table() -> Vec<Kernel> {
+    kernel_names().into_iter().map(Kernel::plain).collect()
+}
+
+/// Entry points of adam.cu.
+fn kernel_names() -> Vec<String> {
     let mut out = Vec::new();
     for mode in [AdamMode::Adam, AdamMode::AdamW] {
         for amsgrad in [false, true] {

@@ -179,7 +179,11 @@ pub fn workspace_bound(sms: u32, rows: u64, cols: u64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{BWD_VEC, FWD_SCALAR, FWD_VEC};
+
+    // (V, max threads) tables as RMSNorm's (ops/rms_norm/kernels.rs).
+    const FWD_VEC: &[(u32, u32)] = &[(1, 512), (2, 512), (4, 512), (8, 512), (16, 256)];
+    const FWD_SCALAR: &[(u32, u32)] = &[(1, 512), (4, 512)];
+    const BWD_VEC: &[(u32, u32)] = &[(1, 512), (2, 512), (4, 512), (8, 256)];
 
     #[test]
     fn group_threads_rounds_to_pow2_then_warps() {

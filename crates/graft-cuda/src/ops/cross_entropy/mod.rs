@@ -1,6 +1,6 @@
 //! Cross-entropy rows (loss and gradient in one kernel), the count of rows not ignored, the
 //! reduction of the per-row losses, and scaling a gradient by the upstream gradient: launched
-//! from kernels/cross_entropy.cu.
+//! from cross_entropy.cu.
 //!
 //! A loss is computed by [`cross_entropy_count`] (always first: it also checks the targets),
 //! then [`cross_entropy_rows`], then, for `sum` / `mean`, [`cross_entropy_reduce`], all on one
@@ -10,273 +10,21 @@
 //! each block of classes (after the count), then, for its gradient, [`cross_entropy_block_grad`]
 //! over each block again; [`accumulate_f32`] adds its f32 partial products.
 
-use std::sync::OnceLock;
-
-use crate::error::CudaError;
-use crate::launch::{grid_covering, launch_named, NamedLaunch};
+use crate::runtime::error::CudaError;
+use crate::runtime::kernels::Kernel;
+use crate::runtime::launch::{grid_covering, launch_named, NamedLaunch};
 use crate::DType;
 
-/// Arguments of [`cross_entropy_rows`]. Pointers are device addresses; arrays are contiguous.
-#[derive(Clone, Copy, Debug)]
-pub struct CrossEntropyRows {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Element type of the logits and the gradient.
-    pub dtype: DType,
-    /// Logits, `rows * cols`.
-    pub logits: u64,
-    /// Targets, `rows` int64 (checked by [`cross_entropy_count`] before).
-    pub target: u64,
-    /// Gradient output, `rows * cols` (may equal `logits`); `None` computes the loss only.
-    pub grad: Option<u64>,
-    /// Per-row losses, `rows` of the accumulation dtype.
-    pub loss: u64,
-    /// The count written by [`cross_entropy_count`]: the gradient is divided by it (a mean).
-    pub count: Option<u64>,
-    /// Per-row factors of the gradient (`rows` of the accumulation dtype).
-    pub row_scale: Option<u64>,
-    /// Rows.
-    pub rows: usize,
-    /// Classes per row (>= 1).
-    pub cols: usize,
-    /// Target value of rows to skip.
-    pub ignore_index: i64,
-    /// Label smoothing in `[0, 1]`.
-    pub smoothing: f64,
-}
+mod args;
 
-/// Arguments of [`cross_entropy_count`].
-#[derive(Clone, Copy, Debug)]
-pub struct CrossEntropyCount {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Targets, `rows` int64.
-    pub target: u64,
-    /// Output: one f64, the rows whose target is not `ignore_index`.
-    pub count: u64,
-    /// Rows.
-    pub rows: usize,
-    /// Classes: any other target outside `0..cols` fails a device-side assertion.
-    pub cols: usize,
-    /// Target value of rows to skip.
-    pub ignore_index: i64,
-}
-
-/// Arguments of [`cross_entropy_reduce`].
-#[derive(Clone, Copy, Debug)]
-pub struct CrossEntropyReduce {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Dtype of the losses: `F32` or `F64`.
-    pub dtype: DType,
-    /// Per-row losses, `rows`.
-    pub loss_rows: u64,
-    /// For a mean, the count from [`cross_entropy_count`] (the divisor); `None` sums.
-    pub count: Option<u64>,
-    /// Output: one value of `dtype`.
-    pub out: u64,
-    /// Rows (0 writes 0, or NaN for a mean).
-    pub rows: usize,
-}
-
-/// Arguments of [`scale_grad`]: `dst = src * factor`.
-#[derive(Clone, Copy, Debug)]
-pub struct ScaleGrad {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Element type of `src` and `dst`.
-    pub dtype: DType,
-    /// Input, `n` elements.
-    pub src: u64,
-    /// Output, `n` elements (may equal `src`: then elements whose factor is 1 are untouched).
-    pub dst: u64,
-    /// One factor, or one per row of `cols` elements, of the accumulation dtype.
-    pub factor: u64,
-    /// Whether `factor` holds one value per row.
-    pub per_row: bool,
-    /// Elements.
-    pub n: usize,
-    /// Row length when `per_row` (>= 1).
-    pub cols: usize,
-}
-
-/// Arguments of [`cross_entropy_block_stats`]: one block of classes `first_col..first_col +
-/// cols` of every row merged into the rows' running statistics.
-#[derive(Clone, Copy, Debug)]
-pub struct CrossEntropyBlockStats {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Element type of the logits.
-    pub dtype: DType,
-    /// The block's logits, `rows * cols`, contiguous.
-    pub logits: u64,
-    /// Targets, `rows` int64 (whole-vocabulary classes, checked by [`cross_entropy_count`]).
-    pub target: u64,
-    /// Running maximum, `rows` of the accumulation dtype; the log-sum-exp after the last block.
-    pub max: u64,
-    /// Running sum of `exp(x - max)`, `rows` of the accumulation dtype.
-    pub sum: u64,
-    /// The target's logit, `rows` of the accumulation dtype (written by its block).
-    pub target_logit: u64,
-    /// For the last block: the per-row losses (`rows` of the accumulation dtype).
-    pub loss: Option<u64>,
-    /// Whether this is the first block (`max` and `sum` are not read).
-    pub first: bool,
-    /// Rows.
-    pub rows: usize,
-    /// Classes in the block (>= 1).
-    pub cols: usize,
-    /// Class index of the block's first column.
-    pub first_col: usize,
-    /// Target value of rows to skip.
-    pub ignore_index: i64,
-}
-
-/// Arguments of [`cross_entropy_block_grad`]: a block's logits replaced by
-/// `(exp(x - lse) - [class == target]) * factor`.
-#[derive(Clone, Copy, Debug)]
-pub struct CrossEntropyBlockGrad {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Element type of the logits.
-    pub dtype: DType,
-    /// The block's logits, `rows * cols`, contiguous; the gradient is written over them.
-    pub logits: u64,
-    /// Targets, `rows` int64.
-    pub target: u64,
-    /// Log-sum-exp of each row over the whole vocabulary, `rows` of the accumulation dtype.
-    pub lse: u64,
-    /// The count written by [`cross_entropy_count`]: the gradient is divided by it (a mean).
-    pub count: Option<u64>,
-    /// Per-row factors of the gradient (`rows` of the accumulation dtype).
-    pub row_scale: Option<u64>,
-    /// Rows.
-    pub rows: usize,
-    /// Classes in the block (>= 1).
-    pub cols: usize,
-    /// Class index of the block's first column.
-    pub first_col: usize,
-    /// Target value of rows to skip.
-    pub ignore_index: i64,
-}
-
-/// Arguments of [`accumulate_f32`]: `acc += src`, `n` f32 each.
-#[derive(Clone, Copy, Debug)]
-pub struct AccumulateF32 {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Accumulator, `n` f32.
-    pub acc: u64,
-    /// Addend, `n` f32 (not overlapping `acc`).
-    pub src: u64,
-    /// Elements.
-    pub n: usize,
-}
-
-/// `graft_ce::CeBlockStatsParams` of kernels/cross_entropy.cu (every field 8 bytes).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct BlockStatsParams {
-    logits: u64,
-    target: u64,
-    max: u64,
-    sum: u64,
-    target_logit: u64,
-    loss: u64,
-    rows: i64,
-    cols: i64,
-    first_col: i64,
-    ignore_index: i64,
-    first: i64,
-}
-
-/// `graft_ce::CeBlockGradParams`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct BlockGradParams {
-    logits: u64,
-    target: u64,
-    lse: u64,
-    count: u64,
-    row_scale: u64,
-    rows: i64,
-    cols: i64,
-    first_col: i64,
-    ignore_index: i64,
-}
-
-/// `graft_ce::CeAccumulateParams`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct AccumulateParams {
-    acc: u64,
-    src: u64,
-    n: i64,
-    vec: i64,
-}
-
-/// `graft_ce::CeRowsParams` of kernels/cross_entropy.cu (every field 8 bytes).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct RowsParams {
-    logits: u64,
-    target: u64,
-    grad: u64,
-    loss: u64,
-    count: u64,
-    row_scale: u64,
-    rows: i64,
-    cols: i64,
-    ignore_index: i64,
-    on_target: f64,
-    per_class: f64,
-    smoothing: i64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct CountParams {
-    target: u64,
-    count: u64,
-    rows: i64,
-    cols: i64,
-    ignore_index: i64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct ReduceParams {
-    loss_rows: u64,
-    count: u64,
-    out: u64,
-    rows: i64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct ScaleParams {
-    src: u64,
-    dst: u64,
-    factor: u64,
-    n: i64,
-    cols: i64,
-    per_row: i64,
-    vec: i64,
-}
+pub use args::{
+    AccumulateF32, CrossEntropyBlockGrad, CrossEntropyBlockStats, CrossEntropyCount,
+    CrossEntropyReduce, CrossEntropyRows, ScaleGrad,
+};
+use args::{
+    AccumulateParams, BlockGradParams, BlockStatsParams, CountParams, ReduceParams, RowsParams,
+    ScaleParams,
+};
 
 const ALL_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 /// Threads of the one-block kernels (count, reduce).
@@ -306,35 +54,13 @@ pub struct RowsTuning {
 impl RowsTuning {
     /// Four 256-thread blocks per SM. H100, bf16, 8192 x 128256, kernel alone (one, two, four
     /// blocks per SM): loss alone 1.26 / 0.98 / 0.89 ms, loss and gradient 2.37 / 2.36 / 2.34
-    /// (bench/kernel_lab/cross_entropy_sweep.py; `TORCHGRAFT_CE_ROWS_TUNING` sweeps the op).
+    /// (bench/kernel_lab/cross_entropy_sweep.py; a sweep of the op passes its own shape to
+    /// [`cross_entropy_rows_with`]).
     /// The rows in flight (528 x 256 KB) outgrow L2, yet pass 2 is not slower for it.
     pub const DEFAULT: RowsTuning = RowsTuning {
         threads: 256,
         blocks_per_sm: 4,
     };
-
-    /// [`RowsTuning::DEFAULT`], or `TORCHGRAFT_CE_ROWS_TUNING="threads,blocks_per_sm"` (read
-    /// once; for benchmark sweeps).
-    pub fn current() -> RowsTuning {
-        static TUNING: OnceLock<RowsTuning> = OnceLock::new();
-        *TUNING.get_or_init(|| {
-            std::env::var("TORCHGRAFT_CE_ROWS_TUNING")
-                .ok()
-                .and_then(|v| RowsTuning::parse(&v))
-                .unwrap_or(RowsTuning::DEFAULT)
-        })
-    }
-
-    fn parse(v: &str) -> Option<RowsTuning> {
-        let (t, b) = v.split_once(',')?;
-        let threads: u32 = t.trim().parse().ok()?;
-        let blocks_per_sm: u32 = b.trim().parse().ok()?;
-        let ok = (32..=1024).contains(&threads) && threads.is_multiple_of(32) && blocks_per_sm >= 1;
-        ok.then_some(RowsTuning {
-            threads,
-            blocks_per_sm,
-        })
-    }
 
     /// Threads for rows of `cols` elements of `dtype`: enough for one 16-byte pack each, in
     /// whole warps, at most `self.threads` and the kernel's bound (512 for F64, else 1024).
@@ -355,8 +81,13 @@ fn dtype_tag(d: DType) -> &'static str {
     }
 }
 
-/// Entry points of kernels/cross_entropy.cu, for the kernel table.
-pub(crate) fn kernel_names() -> Vec<String> {
+/// cross_entropy's kernel table: its kernels need no attribute set at load time.
+pub(crate) fn kernel_table() -> Vec<Kernel> {
+    kernel_names().into_iter().map(Kernel::plain).collect()
+}
+
+/// Entry points of cross_entropy.cu.
+fn kernel_names() -> Vec<String> {
     let mut out = Vec::new();
     for dtype in ALL_DTYPES {
         out.push(format!("graft_ce_rows_{}", dtype_tag(dtype)));
@@ -395,7 +126,7 @@ fn check_size(what: &str, elems: usize, elem_size: usize) -> Result<(), CudaErro
 /// Per-row losses of `a.logits` and, when `a.grad` is given, the gradient, on `a.stream`.
 /// Nothing is launched for `rows == 0`.
 pub fn cross_entropy_rows(a: &CrossEntropyRows) -> Result<(), CudaError> {
-    cross_entropy_rows_with(a, RowsTuning::current())
+    cross_entropy_rows_with(a, RowsTuning::DEFAULT)
 }
 
 /// [`cross_entropy_rows`] with an explicit launch shape.
@@ -434,7 +165,7 @@ pub fn cross_entropy_rows_with(a: &CrossEntropyRows, tuning: RowsTuning) -> Resu
         check_ptr("row_scale", r, acc)?;
     }
     let threads = tuning.threads_for(a.cols, a.dtype);
-    let st = crate::device::state(a.device)?;
+    let st = crate::runtime::device::state(a.device)?;
     let grid = (a.rows as u64).min(u64::from(
         st.limits.sms.max(1) * tuning.blocks_per_sm.max(1),
     ));
@@ -486,7 +217,7 @@ fn block_kernel_shape(
         blocks_per_sm: 1,
     };
     let threads = shape.threads_for(cols.div_ceil(BLOCK_KERNEL_PACKS_PER_THREAD), dtype);
-    let st = crate::device::state(device)?;
+    let st = crate::runtime::device::state(device)?;
     let per_sm = (BLOCK_KERNEL_THREADS_PER_SM / threads).max(1);
     let grid = (rows as u64).min(u64::from(st.limits.sms.max(1) * per_sm));
     Ok((threads, grid as u32))
@@ -712,7 +443,7 @@ pub fn scale_grad(a: &ScaleGrad) -> Result<(), CudaError> {
         vec: i64::from(vec),
     };
     let name = format!("graft_ce_scale_{}", dtype_tag(a.dtype));
-    let sms = crate::device::state(a.device)?.limits.sms;
+    let sms = crate::runtime::device::state(a.device)?.limits.sms;
     let launch = NamedLaunch {
         device: a.device,
         stream: a.stream,
@@ -725,104 +456,4 @@ pub fn scale_grad(a: &ScaleGrad) -> Result<(), CudaError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn params_match_the_cuda_structs() {
-        assert_eq!(std::mem::size_of::<RowsParams>(), 12 * 8);
-        assert_eq!(std::mem::size_of::<CountParams>(), 5 * 8);
-        assert_eq!(std::mem::size_of::<ReduceParams>(), 4 * 8);
-        assert_eq!(std::mem::size_of::<ScaleParams>(), 7 * 8);
-        assert_eq!(std::mem::size_of::<BlockStatsParams>(), 11 * 8);
-        assert_eq!(std::mem::size_of::<BlockGradParams>(), 9 * 8);
-        assert_eq!(std::mem::size_of::<AccumulateParams>(), 4 * 8);
-    }
-
-    #[test]
-    fn names_cover_every_dtype() {
-        let names = kernel_names();
-        assert_eq!(names.len(), 4 * 4 + 4);
-        assert!(names.contains(&"graft_ce_block_stats_f16".to_string()));
-        assert!(names.contains(&"graft_ce_block_grad_bf16".to_string()));
-        assert!(names.contains(&"graft_ce_accumulate_f32".to_string()));
-        assert!(names.contains(&"graft_ce_rows_bf16".to_string()));
-        assert!(names.contains(&"graft_ce_scale_f64".to_string()));
-    }
-
-    #[test]
-    fn rows_blocks_fit_the_row() {
-        let t = RowsTuning::DEFAULT;
-        assert_eq!(t.threads_for(128_256, DType::BF16), 256);
-        assert_eq!(t.threads_for(1000, DType::BF16), 128);
-        assert_eq!(t.threads_for(1, DType::F32), 32);
-        assert_eq!(t.threads_for(33, DType::F64), 32);
-        let wide = RowsTuning {
-            threads: 1024,
-            blocks_per_sm: 1,
-        };
-        assert_eq!(wide.threads_for(128_256, DType::BF16), 1024);
-        // float64's kernel bound.
-        assert_eq!(wide.threads_for(100_000, DType::F64), 512);
-    }
-
-    #[test]
-    fn tuning_parses_only_valid_shapes() {
-        assert_eq!(
-            RowsTuning::parse("512, 2"),
-            Some(RowsTuning {
-                threads: 512,
-                blocks_per_sm: 2
-            })
-        );
-        assert_eq!(RowsTuning::parse("500,2"), None);
-        assert_eq!(RowsTuning::parse("2048,1"), None);
-        assert_eq!(RowsTuning::parse("512,0"), None);
-        assert_eq!(RowsTuning::parse("512"), None);
-    }
-
-    #[test]
-    fn bad_arguments_are_rejected_before_launching() {
-        let rows = CrossEntropyRows {
-            device: 0,
-            stream: 0,
-            dtype: DType::BF16,
-            logits: 256,
-            target: 512,
-            grad: None,
-            loss: 1024,
-            count: None,
-            row_scale: None,
-            rows: 4,
-            cols: 0,
-            ignore_index: -100,
-            smoothing: 0.0,
-        };
-        assert!(cross_entropy_rows(&rows).is_err());
-        let odd = CrossEntropyRows {
-            cols: 10,
-            logits: 257,
-            ..rows
-        };
-        assert!(cross_entropy_rows(&odd)
-            .unwrap_err()
-            .message()
-            .contains("logits"));
-        let smooth = CrossEntropyRows {
-            cols: 10,
-            smoothing: 1.5,
-            ..rows
-        };
-        assert!(cross_entropy_rows(&smooth).is_err());
-        let reduce = CrossEntropyReduce {
-            device: 0,
-            stream: 0,
-            dtype: DType::BF16,
-            loss_rows: 256,
-            count: None,
-            out: 512,
-            rows: 1,
-        };
-        assert!(cross_entropy_reduce(&reduce).is_err());
-    }
-}
+mod tests;

@@ -7,7 +7,7 @@
 //             dw = sum over rows of dy * xhat, db = sum over rows of dy
 // in the accumulation type A (float; double for double); mean and rstd are A.
 //
-// Kernel shapes (as kernels/softmax.cu):
+// Kernel shapes (as ops/softmax/softmax.cu):
 //   *_rows_{v,s}{V}  a row group of `tpr` threads holds a row in registers (V units of 16
 //                    bytes per thread, 16-byte or element accesses); `rpb` groups per block.
 //                    Forward: one read, one write; 16-bit inputs take the mean and variance

@@ -1,7 +1,8 @@
-//! Rotary position embedding over strided rows, q and k in one launch: kernels/rope.cu.
+//! Rotary position embedding over strided rows, q and k in one launch: rope.cu.
 
-use crate::error::CudaError;
-use crate::launch::{grid_covering, launch_named, NamedLaunch};
+use crate::runtime::error::CudaError;
+use crate::runtime::kernels::Kernel;
+use crate::runtime::launch::{grid_covering, launch_named, NamedLaunch};
 use crate::DType;
 
 /// One operand of [`rope`] (q or k, or their gradients): rows addressed by three leading
@@ -54,7 +55,7 @@ pub struct RopeArgs {
     pub rotary_dim: usize,
 }
 
-/// `graft_rope::RopeOperand` of kernels/rope.cu.
+/// `graft_rope::RopeOperand` of rope.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct OperandParams {
@@ -68,7 +69,7 @@ struct OperandParams {
     units: i64,
 }
 
-/// `graft_rope::RopeParams` of kernels/rope.cu.
+/// `graft_rope::RopeParams` of rope.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct RopeParams {
@@ -89,8 +90,13 @@ fn dtype_tag(d: DType) -> &'static str {
     }
 }
 
-/// Entry points of kernels/rope.cu, for the kernel table.
-pub(crate) fn kernel_names() -> Vec<String> {
+/// rope's kernel table: its kernels need no attribute set at load time.
+pub(crate) fn kernel_table() -> Vec<Kernel> {
+    kernel_names().into_iter().map(Kernel::plain).collect()
+}
+
+/// Entry points of rope.cu.
+fn kernel_names() -> Vec<String> {
     let mut out = Vec::new();
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for dir in ["fwd", "bwd"] {

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 
-use crate::error::{CudaError, ErrorKind};
+use super::error::{CudaError, ErrorKind};
 
 /// `CUresult`.
 pub(crate) type CuResult = c_int;

@@ -1,9 +1,11 @@
-//! The kernel table: every entry point in kernels/*.cu, its name and its index (RMSNorm's
-//! families by construction, the others by name).
+//! RMSNorm's kernel table: every entry point of rms_norm.cu, its name and its index. RMSNorm's
+//! kernels come first in the crate's kernel table (ops/mod.rs), so these indices are theirs
+//! there too.
 //!
 //! The names and the (V, maximum block size) tables below mirror the instantiation macros
-//! and `GRAFT_*_MAXT_*` launch bounds at the end of kernels/rms_norm.cu.
+//! and `GRAFT_*_MAXT_*` launch bounds at the end of rms_norm.cu.
 
+use crate::runtime::kernels::{Kernel, LoadAttrs};
 use crate::DType;
 
 /// How the weight reaches the kernel.
@@ -143,30 +145,8 @@ fn weight_tag(w: WeightKind) -> &'static str {
     }
 }
 
-/// Entry points of the kernel families launched by name, after RMSNorm's table (one function
-/// per op module, listing its kernels/*.cu entry points).
-const NAMED_FAMILIES: &[fn() -> Vec<String>] = &[
-    crate::glu::kernel_names,
-    crate::adam::kernel_names,
-    crate::softmax::kernel_names,
-    crate::layer_norm::kernel_names,
-    crate::rope::kernel_names,
-    crate::cross_entropy::kernel_names,
-];
-
-fn named_kernels() -> Vec<String> {
-    NAMED_FAMILIES.iter().flat_map(|names| names()).collect()
-}
-
-/// The entry-point name of kernel `i` (RMSNorm's as in kernels/rms_norm.cu, then the named
-/// families).
+/// The entry-point name of kernel `i` (`i < NUM_KERNELS`), as in rms_norm.cu.
 pub(crate) fn name(i: usize) -> String {
-    if i >= NUM_KERNELS {
-        return named_kernels()
-            .into_iter()
-            .nth(i - NUM_KERNELS)
-            .unwrap_or_else(|| format!("<kernel {i}>"));
-    }
     let fams = FAMILIES.len() * PER_FAMILY;
     if i >= fams {
         let (acc, out) = FINALIZE[i - fams];
@@ -199,9 +179,19 @@ pub(crate) fn name(i: usize) -> String {
     }
 }
 
-/// Every kernel name, in index order.
-pub(crate) fn all_names() -> Vec<String> {
-    (0..NUM_KERNELS).map(name).chain(named_kernels()).collect()
+/// RMSNorm's kernels, in index order. The backward kernels may take more than the default
+/// 48 KB of dynamic shared memory (a dw partial row).
+pub(crate) fn kernel_table() -> Vec<Kernel> {
+    (0..NUM_KERNELS)
+        .map(|i| {
+            let name = name(i);
+            let attrs = LoadAttrs {
+                large_smem: name.starts_with("graft_rms_bwd_"),
+                ..LoadAttrs::default()
+            };
+            Kernel { name, attrs }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -210,9 +200,8 @@ mod tests {
 
     #[test]
     fn names_are_unique_and_indices_round_trip() {
-        let names = all_names();
-        assert_eq!(names.len(), NUM_KERNELS + named_kernels().len());
-        assert_eq!(name(NUM_KERNELS), names[NUM_KERNELS]);
+        let names: Vec<String> = kernel_table().into_iter().map(|k| k.name).collect();
+        assert_eq!(names.len(), NUM_KERNELS);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();

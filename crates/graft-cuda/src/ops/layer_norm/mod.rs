@@ -1,4 +1,4 @@
-//! LayerNorm launches (kernels/layer_norm.cu): validation, the choice of kernel and launch
+//! LayerNorm launches (layer_norm.cu): validation, the choice of kernel and launch
 //! shape, the launches.
 //!
 //! Rows that fit a row group's registers take the rows kernels (forward up to 4096 units of
@@ -13,113 +13,19 @@
 //! device has clusters: clusters of four blocks, each a slice of every row, one partial row per
 //! cluster.
 
-use crate::config::{
+use crate::runtime::config::{
     blocks_per_sm, choose_rows, rows_per_block, DeviceLimits, KernelAttrs, MAX_GRID,
 };
-use crate::device;
-use crate::error::CudaError;
-use crate::launch::{index_of, launch_named, NamedLaunch};
+use crate::runtime::device;
+use crate::runtime::error::CudaError;
+use crate::runtime::kernels::{Kernel, LoadAttrs};
+use crate::runtime::launch::{index_of, launch_named, NamedLaunch};
 use crate::DType;
 
-/// Arguments of [`layer_norm_forward`]: contiguous `rows x cols` `x` and `y`, parameters of
-/// `cols` values of `dtype` (0: absent), `mean` and `rstd` of `rows` values of the
-/// accumulation dtype. Pointers are device addresses in `device`'s primary context.
-#[derive(Clone, Copy, Debug)]
-pub struct LayerNormForward {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Dtype of `x`, `y`, the weight and the bias.
-    pub dtype: DType,
-    /// Input.
-    pub x: u64,
-    /// Weight, or 0.
-    pub weight: u64,
-    /// Bias, or 0.
-    pub bias: u64,
-    /// Output.
-    pub y: u64,
-    /// Output: the rows' means.
-    pub mean: u64,
-    /// Output: the rows' reciprocal standard deviations.
-    pub rstd: u64,
-    /// Rows (>= 1).
-    pub rows: usize,
-    /// Columns (>= 1).
-    pub cols: usize,
-    /// Added to the variance.
-    pub eps: f64,
-}
+mod args;
 
-/// Arguments of [`layer_norm_backward`].
-#[derive(Clone, Copy, Debug)]
-pub struct LayerNormBackward {
-    /// CUDA device ordinal.
-    pub device: i32,
-    /// `CUstream` to launch on.
-    pub stream: usize,
-    /// Dtype of `dy`, `x`, `dx`, the weight, `dw` and `db`.
-    pub dtype: DType,
-    /// Gradient of the output.
-    pub dy: u64,
-    /// The forward's input.
-    pub x: u64,
-    /// The forward's means (accumulation dtype).
-    pub mean: u64,
-    /// The forward's rstd (accumulation dtype).
-    pub rstd: u64,
-    /// The weight, or 0.
-    pub weight: u64,
-    /// Output: gradient of `x`, if wanted.
-    pub dx: Option<u64>,
-    /// Output: gradient of the weight (`cols`), if wanted.
-    pub dw: Option<u64>,
-    /// Output: gradient of the bias (`cols`), if wanted.
-    pub db: Option<u64>,
-    /// Device scratch for the partial rows (16-byte aligned), with dw or db.
-    pub workspace: u64,
-    /// Bytes at `workspace`; see [`layer_norm_backward_workspace_bytes`].
-    pub workspace_bytes: usize,
-    /// Rows (>= 1).
-    pub rows: usize,
-    /// Columns (>= 1).
-    pub cols: usize,
-}
-
-/// `graft_layer_norm::Params` (every field 8 bytes).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct LayerNormParams {
-    x: u64,
-    w: u64,
-    b: u64,
-    y: u64,
-    mean: u64,
-    rstd: u64,
-    dy: u64,
-    dx: u64,
-    partial: u64,
-    rows: i64,
-    cols: i64,
-    tpr: i64,
-    rpb: i64,
-    vec: i64,
-    stage: i64,
-    eps: f64,
-    inv_cols: f64,
-}
-
-/// `graft_layer_norm::FinalizeParams`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct FinalizeParams {
-    partial: u64,
-    dw: u64,
-    db: u64,
-    nparts: i64,
-    cols: i64,
-}
+use args::{FinalizeParams, LayerNormParams};
+pub use args::{LayerNormBackward, LayerNormForward};
 
 /// Backward grids hold at most this many blocks per SM (bounding the workspace). Fewer blocks
 /// write fewer partial rows for the finalize kernel to read (H100, bf16, 32768 x 4096, staged
@@ -154,7 +60,7 @@ const FWD_STAGED_UNITS: std::ops::RangeInclusive<u64> = 256..=2048;
 /// the rows kernels were not measured there: not taken.
 const BWD_BULK_UNITS: std::ops::RangeInclusive<u64> = 896..=1024;
 /// The bulk backward's cluster size, block size and units a thread (`kBulkCluster`,
-/// `kBulkThreads`, `kBulkUnits` in kernels/layer_norm.cu).
+/// `kBulkThreads`, `kBulkUnits` in layer_norm.cu).
 const BULK_CLUSTER: u32 = 4;
 const BULK_THREADS: u32 = 128;
 /// Shared memory the backward rows kernels may use to add their row groups when they do not
@@ -168,7 +74,7 @@ fn stage_bytes(rpb: u32, v: u32, tpr: u32) -> u64 {
 }
 
 /// (V, maximum threads per block) of the rows kernels: the launch bounds of
-/// kernels/layer_norm.cu (`RowsBounds`).
+/// layer_norm.cu (`RowsBounds`).
 fn rows_table(backward: bool, elem: u64, vec: bool) -> &'static [(u32, u32)] {
     match (backward, elem, vec) {
         (false, 4, true) => &[(1, 1024), (2, 1024), (4, 1024), (8, 256)],
@@ -220,8 +126,23 @@ fn name(dir: &str, body: Body, dtype: DType) -> String {
     }
 }
 
-/// Entry points of kernels/layer_norm.cu, for the kernel table.
-pub(crate) fn kernel_names() -> Vec<String> {
+/// layer_norm's kernel table: the backward rows kernels opt in to large shared
+/// memory.
+pub(crate) fn kernel_table() -> Vec<Kernel> {
+    kernel_names()
+        .into_iter()
+        .map(|name| {
+            let attrs = LoadAttrs {
+                large_smem: wants_large_smem(&name),
+                ..LoadAttrs::default()
+            };
+            Kernel { name, attrs }
+        })
+        .collect()
+}
+
+/// Entry points of layer_norm.cu.
+fn kernel_names() -> Vec<String> {
     let mut out = Vec::new();
     for dtype in DTYPES {
         for (dir, backward) in [("fwd", false), ("bwd", true)] {
@@ -244,7 +165,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
 
 /// Whether kernel `name` may take more than the default 48 KB of dynamic shared memory: the
 /// backward rows kernels with vector access, which stage rows there.
-pub(crate) fn wants_large_smem(name: &str) -> bool {
+fn wants_large_smem(name: &str) -> bool {
     name.starts_with("graft_ln_bwd_rows_v")
 }
 
@@ -623,169 +544,4 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<(), CudaError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn attrs(_: Body) -> KernelAttrs {
-        KernelAttrs {
-            regs: 64,
-            static_smem: 512,
-            max_threads: 1024,
-        }
-    }
-
-    fn no_clusters(_: u32) -> u32 {
-        0
-    }
-
-    fn problem(backward: bool, elem: u64, rows: u64, cols: u64) -> Problem {
-        Problem {
-            backward,
-            elem,
-            acc: 4,
-            rows,
-            cols,
-            vec: true,
-            sums: true,
-        }
-    }
-
-    #[test]
-    fn params_match_the_cuda_structs() {
-        assert_eq!(std::mem::size_of::<LayerNormParams>(), 17 * 8);
-        assert_eq!(std::mem::size_of::<FinalizeParams>(), 5 * 8);
-    }
-
-    #[test]
-    fn names_are_unique() {
-        let mut names = kernel_names();
-        let n = names.len();
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), n);
-        assert_eq!(n, 4 * (6 + 5 + 2 + 1) + 4);
-        assert!(names.contains(&"graft_ln_bwd_bulk_f16".to_string()));
-        assert!(names.contains(&"graft_ln_fwd_staged_bf16".to_string()));
-        assert!(names.contains(&"graft_ln_bwd_rows_s2_bf16".to_string()));
-    }
-
-    #[test]
-    fn plans_by_hidden_size() {
-        let lim = DeviceLimits::H100;
-        for cols in [4096, 8192] {
-            let pl = plan(&problem(false, 4, 8192, cols), &lim, &attrs, &no_clusters);
-            assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
-            let pl = plan(&problem(true, 2, 8192, cols), &lim, &attrs, &no_clusters);
-            assert!(matches!(pl.body, Body::Rows { vec: true, .. }), "{pl:?}");
-            assert!(pl.grid <= lim.sms * BWD_MAX_BLOCKS_PER_SM);
-            assert!(pl.stage, "{pl:?}");
-            if let Body::Rows { v, .. } = pl.body {
-                assert!(u64::from(pl.smem) >= stage_bytes(pl.rpb, v, pl.tpr));
-            }
-        }
-        // Every hidden size: the block's shared memory, static and dynamic, within the device's
-        // opt-in limit when rows are staged, else within the default 48 KiB (hidden 2048 once
-        // asked for 48 KiB of dynamic memory on top of the static).
-        for cols in (64..=8192).step_by(64) {
-            let cases = [2, 4, 8].into_iter().flat_map(|elem| {
-                [(false, false), (false, true), (true, false), (true, true)]
-                    .map(|(backward, vec)| (elem, backward, vec))
-            });
-            for (elem, backward, vec) in cases {
-                let problem = Problem {
-                    vec,
-                    ..problem(backward, elem, 8192, cols)
-                };
-                let pl = plan(&problem, &lim, &attrs, &no_clusters);
-                let total = u64::from(pl.smem) + u64::from(attrs(pl.body).static_smem);
-                let limit = if pl.stage {
-                    u64::from(lim.smem_per_block_optin)
-                } else {
-                    BWD_ROWS_SMEM_LIMIT
-                };
-                assert!(total <= limit, "cols {cols} elem {elem}: {pl:?}");
-                let rows = matches!(pl.body, Body::Rows { .. });
-                assert_eq!(pl.stage, backward && vec && rows, "{pl:?}");
-                if let (true, Body::Rows { v, .. }) = (pl.stage, pl.body) {
-                    assert!(u64::from(pl.smem) >= stage_bytes(pl.rpb, v, pl.tpr));
-                }
-                assert!(pl.block <= attrs(pl.body).max_threads);
-            }
-        }
-        // 16-bit forward from 2048 to 16384 columns: staged, one row per block, two units a
-        // thread in 128 to 256 threads, four above; not with element access.
-        for (cols, block) in [
-            (2048, 128),
-            (2056, 128),
-            (4096, 256),
-            (5120, 256),
-            (8192, 256),
-            (16384, 512),
-        ] {
-            let pl = plan(&problem(false, 2, 100, cols), &lim, &attrs, &no_clusters);
-            assert_eq!(pl.body, Body::Staged, "cols {cols}: {pl:?}");
-            assert_eq!((pl.block, pl.grid, pl.smem), (block, 100, cols as u32 * 2));
-            let scalar = Problem {
-                vec: false,
-                ..problem(false, 2, 100, cols)
-            };
-            assert_ne!(plan(&scalar, &lim, &attrs, &no_clusters).body, Body::Staged);
-        }
-        for cols in [2040, 16392] {
-            let pl = plan(&problem(false, 2, 100, cols), &lim, &attrs, &no_clusters);
-            assert_ne!(pl.body, Body::Staged, "cols {cols}: {pl:?}");
-        }
-        // Forward rows kernels: one row per block from 64 threads a row (hidden 2048 in f32,
-        // V = 4 in bf16), two warps' worth of rows below.
-        for (cols, rpb) in [(1024, 2), (512, 4), (64, 32)] {
-            let pl = plan(&problem(false, 2, 8192, cols), &lim, &attrs, &no_clusters);
-            assert_eq!(
-                (pl.rpb, pl.block),
-                (rpb, 64.max(pl.tpr)),
-                "cols {cols}: {pl:?}"
-            );
-        }
-        // Beyond the registers: the loop kernels.
-        let pl = plan(&problem(true, 2, 10, 20000), &lim, &attrs, &no_clusters);
-        assert_eq!(pl.body, Body::Loop);
-        assert!(pl.grid <= 10);
-    }
-
-    #[test]
-    fn the_bulk_backward_takes_16_bit_rows_from_7168_columns_where_clusters_fit() {
-        let lim = DeviceLimits::H100;
-        let fit = |_: u32| 100;
-        for cols in [7168, 8192] {
-            let pl = plan(&problem(true, 2, 1000, cols), &lim, &attrs, &fit);
-            assert_eq!(pl.body, Body::Bulk, "cols {cols}: {pl:?}");
-            assert_eq!((pl.grid, pl.block), (400, 128));
-            // Two buffers of x and dy of a quarter of the row.
-            assert_eq!(u64::from(pl.smem), 4 * (cols / 8).div_ceil(4) * 16);
-        }
-        // Fewer rows than resident clusters; more clusters than the workspace's grid.
-        let pl = plan(&problem(true, 2, 10, 8192), &lim, &attrs, &fit);
-        assert_eq!(pl.grid, 40);
-        let pl = plan(&problem(true, 2, 10_000, 8192), &lim, &attrs, &|_| 1000);
-        assert_eq!(pl.grid, lim.sms * BWD_MAX_BLOCKS_PER_SM * 4);
-        // Not: narrower or wider rows, f32, element access, no clusters, no answer.
-        for (elem, cols) in [(2, 7160), (2, 8200), (4, 4096)] {
-            let pl = plan(&problem(true, elem, 1000, cols), &lim, &attrs, &fit);
-            assert_ne!(pl.body, Body::Bulk, "elem {elem} cols {cols}");
-        }
-        let scalar = Problem {
-            vec: false,
-            ..problem(true, 2, 1000, 8192)
-        };
-        assert_ne!(plan(&scalar, &lim, &attrs, &fit).body, Body::Bulk);
-        let a100 = DeviceLimits {
-            clusters: false,
-            ..lim
-        };
-        assert_ne!(
-            plan(&problem(true, 2, 1000, 8192), &a100, &attrs, &fit).body,
-            Body::Bulk
-        );
-        let pl = plan(&problem(true, 2, 1000, 8192), &lim, &attrs, &no_clusters);
-        assert!(matches!(pl.body, Body::Rows { .. }));
-    }
-}
+mod tests;
