@@ -5,13 +5,11 @@
 //! that were there before come back), [`grafts`] reports them with their call counts.
 
 pub mod adam;
+mod common;
 pub mod layer_norm;
-mod layout;
 pub mod ops;
 pub mod rms_norm;
 pub mod softmax;
-mod stats;
-mod threads;
 
 use std::collections::BTreeSet;
 use std::ffi::{CStr, CString};
@@ -19,7 +17,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use graft_abi::{Library, Result, Tensor};
 
-pub use stats::Counters;
+pub use common::stats::Counters;
 
 /// One native graft: an operator at a dispatch key.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -12,8 +12,8 @@ use graft_kernels::ops::adam::{self, AdamFloat, Buffers};
 use half::{bf16, f16};
 
 use super::{counters, float_arg, item, same_layout, Call, Lr, LrArg, Step, Variant};
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::stats::Counters;
+use crate::common::threads::TorchPool;
 
 /// Calls of `aten::_fused_adam_` at CPU.
 pub static ADAM: Counters = Counters::new();

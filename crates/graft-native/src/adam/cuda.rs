@@ -11,7 +11,8 @@ use graft_cuda::{AdamMode, AdamStep, AdamTensor};
 use graft_kernels::ops::adam::Mode;
 
 use super::{counters, float_arg, item, Call, Lr, LrArg, Step, Variant};
-use crate::stats::Counters;
+use crate::common::cuda::ptr;
+use crate::common::stats::Counters;
 
 /// Calls of `aten::_fused_adam_` at CUDA.
 pub static ADAM: Counters = Counters::new();
@@ -40,10 +41,6 @@ fn kernel_dtype(dtype: DType) -> Result<graft_cuda::DType> {
             )))
         }
     })
-}
-
-fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
 }
 
 /// ATen's message for a `float` tensor argument of another dtype.

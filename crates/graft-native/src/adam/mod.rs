@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 use graft_abi::{ensure, DType, Device, FromStable, NewTensor, Result, Tensor};
 use graft_kernels::ops::adam::Mode;
 
-use crate::stats::Counters;
+use crate::common::stats::Counters;
 
 /// The learning rate argument: `float lr` (default overload) or `Tensor lr` (`tensor_lr`).
 pub trait LrArg: FromStable + 'static {

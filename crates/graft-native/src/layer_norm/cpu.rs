@@ -9,12 +9,12 @@ use graft_kernels::ops::layer_norm::{self, Affine, ForwardOut, Grads, NormFloat,
 use half::{bf16, f16};
 
 use super::{
-    check_devices, check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter,
+    check_devices, check_inputs, contiguous_as, expect_dtype, mask3, missing_parameter,
     not_implemented, stat_sizes, BackwardArgs, ForwardArgs, Saved,
 };
-use crate::rms_norm::{contiguous, to_dtype};
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::stats::Counters;
+use crate::common::tensor::{contiguous, filled, to_dtype};
+use crate::common::threads::TorchPool;
 
 /// Calls of `aten::native_layer_norm` at CPU.
 pub static FORWARD: Counters = Counters::new();

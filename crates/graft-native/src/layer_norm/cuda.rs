@@ -10,33 +10,17 @@ use graft_abi::{DType, DeviceType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{LayerNormBackward, LayerNormForward};
 
 use super::{
-    check_devices, check_inputs, contiguous_as, expect_dtype, filled, mask3, missing_parameter,
+    check_devices, check_inputs, contiguous_as, expect_dtype, mask3, missing_parameter,
     not_implemented, stat_sizes, BackwardArgs, ForwardArgs, Saved,
 };
-use crate::rms_norm::{acc_dtype, contiguous};
-use crate::stats::Counters;
+use crate::common::cuda::{cuda_error, kernel_dtype, ptr};
+use crate::common::stats::Counters;
+use crate::common::tensor::{acc_dtype, contiguous, filled};
 
 /// Calls of `aten::native_layer_norm` at CUDA.
 pub static FORWARD: Counters = Counters::new();
 /// Calls of `aten::native_layer_norm_backward` at CUDA.
 pub static BACKWARD: Counters = Counters::new();
-
-fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
-    match dtype {
-        DType::F32 => graft_cuda::DType::F32,
-        DType::F64 => graft_cuda::DType::F64,
-        DType::BF16 => graft_cuda::DType::BF16,
-        _ => graft_cuda::DType::F16,
-    }
-}
-
-fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
-}
-
-fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
-    graft_abi::Error::msg(e.to_string())
-}
 
 /// A parameter as the kernels read it: contiguous, of the input's dtype (ATen's message
 /// otherwise); 0 when absent.

@@ -9,9 +9,10 @@
 pub mod cpu;
 pub mod cuda;
 
-use graft_abi::{ensure, DType, Device, DeviceType, NewTensor, Operands, Result, Tensor};
+use graft_abi::{ensure, DType, DeviceType, Operands, Result, Tensor};
 
-use crate::layout::rstd_sizes;
+use crate::common::layout::rstd_sizes;
+use crate::common::tensor::{contiguous, to_dtype};
 
 /// `(input, normalized_shape, weight, bias, eps)`.
 pub type ForwardArgs = (Tensor, Vec<i64>, Option<Tensor>, Option<Tensor>, f64);
@@ -121,17 +122,7 @@ pub fn stat_sizes(input_sizes: &[i64], normalized_dims: usize) -> Vec<i64> {
 
 /// `t` converted to `dtype` and made contiguous (`t` itself when it already is both).
 pub fn contiguous_as(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    crate::rms_norm::contiguous(&crate::rms_norm::to_dtype(t, dtype)?)
-}
-
-/// A tensor of `sizes` on `device` holding `value` everywhere (made on the CPU, then copied:
-/// the stable ABI cannot pass a Scalar to `aten::fill_`).
-pub fn filled(sizes: &[i64], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
-    let mut host = NewTensor::empty(sizes, DType::F64, Device::CPU)?;
-    host.as_mut_slice::<f64>()?.fill(value);
-    let out = NewTensor::empty(sizes, dtype, device)?.finish();
-    out.copy_from(&host.finish())?;
-    Ok(out)
+    contiguous(&to_dtype(t, dtype)?)
 }
 
 /// The error ATen raises when a gradient is asked for a parameter that is absent (it allocates

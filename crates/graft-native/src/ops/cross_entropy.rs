@@ -18,10 +18,10 @@ use graft_kernels::ops::cross_entropy::{self as ce, BadTarget, CeMath, Options, 
 use graft_kernels::{Acc, Float};
 use half::{bf16, f16};
 
-use crate::rms_norm::cuda::filled;
-use crate::rms_norm::{contiguous, to_dtype};
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::cuda::{cuda_dtype, cuda_error, ptr};
+use crate::common::stats::Counters;
+use crate::common::tensor::{acc_dtype, contiguous, filled, to_dtype, unsupported};
+use crate::common::threads::TorchPool;
 
 pub static CROSS_ENTROPY_CPU: Counters = Counters::new();
 pub static CROSS_ENTROPY_CUDA: Counters = Counters::new();
@@ -85,15 +85,6 @@ impl Loss {
     }
 }
 
-/// The accumulation dtype of `dtype` (that of the loss): float64 for float64, else float32.
-pub(crate) fn acc_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// The device type a kernel of this device flag computes on.
 pub(crate) fn kernel_device(cuda: bool) -> DeviceType {
     if cuda {
@@ -148,10 +139,6 @@ pub(crate) fn with_target<'a>(
 
 fn bad_target(e: BadTarget) -> Error {
     Error::msg(format!("Target {} is out of bounds.", e.0))
-}
-
-fn unsupported(op: &str, dtype: DType) -> Error {
-    Error::msg(format!("\"{op}\" not implemented for '{}'", dtype.name()))
 }
 
 /// The loss of `loss_rows` (per-row, `rows` of the accumulation dtype) for `reduction`: the
@@ -330,24 +317,6 @@ where
 }
 
 // ----------------------------------------------------------------------------------- CUDA
-
-pub(crate) fn cuda_dtype(op: &str, dtype: DType) -> Result<graft_cuda::DType> {
-    Ok(match dtype {
-        DType::F32 => graft_cuda::DType::F32,
-        DType::F64 => graft_cuda::DType::F64,
-        DType::BF16 => graft_cuda::DType::BF16,
-        DType::F16 => graft_cuda::DType::F16,
-        other => return Err(unsupported(op, other)),
-    })
-}
-
-pub(crate) fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
-}
-
-pub(crate) fn cuda_error(e: graft_cuda::CudaError) -> Error {
-    Error::msg(e.to_string())
-}
 
 /// The device state of one CUDA call: the guard, the stream.
 pub(crate) struct CudaCall {

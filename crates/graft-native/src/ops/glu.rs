@@ -15,9 +15,10 @@ use graft_kernels::ops::glu::{self, Activation, GluMath};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
-use crate::rms_norm::contiguous;
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::cuda::{cuda_dtype, cuda_error, ptr};
+use crate::common::stats::Counters;
+use crate::common::tensor::{contiguous, unsupported};
+use crate::common::threads::TorchPool;
 
 pub static SWIGLU_CPU: Counters = Counters::new();
 pub static SWIGLU_CUDA: Counters = Counters::new();
@@ -156,29 +157,7 @@ fn backward_cpu(
     }
 }
 
-fn unsupported(op: &str, dtype: DType) -> graft_abi::Error {
-    graft_abi::Error::msg(format!("\"{op}\" not implemented for '{}'", dtype.name()))
-}
-
 // ----------------------------------------------------------------------------------- CUDA
-
-fn cuda_dtype(op: &str, dtype: DType) -> Result<graft_cuda::DType> {
-    Ok(match dtype {
-        DType::F32 => graft_cuda::DType::F32,
-        DType::F64 => graft_cuda::DType::F64,
-        DType::BF16 => graft_cuda::DType::BF16,
-        DType::F16 => graft_cuda::DType::F16,
-        other => return Err(unsupported(op, other)),
-    })
-}
-
-fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
-}
-
-fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
-    graft_abi::Error::msg(e.to_string())
-}
 
 fn forward_cuda(op: &str, act: GluActivation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let Checked { device, dtype } = check(op, DeviceType::CUDA, gate, up, None)?;

@@ -57,12 +57,13 @@ use graft_kernels::Float;
 use half::{bf16, f16};
 
 use super::cross_entropy::{
-    acc_dtype, count_cpu, cuda_dtype, cuda_error, grad_scale, kernel_device, ptr, rows_cpu,
-    rows_cuda, with_target, CpuRows, CudaCall, CudaRows, Loss, Reduction,
+    count_cpu, grad_scale, kernel_device, rows_cpu, rows_cuda, with_target, CpuRows, CudaCall,
+    CudaRows, Loss, Reduction,
 };
-use crate::rms_norm::contiguous;
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::cuda::{cuda_dtype, cuda_error, ptr};
+use crate::common::stats::Counters;
+use crate::common::tensor::{acc_dtype, contiguous, to_dtype};
+use crate::common::threads::TorchPool;
 
 pub static LINEAR_CROSS_ENTROPY_CPU: Counters = Counters::new();
 pub static LINEAR_CROSS_ENTROPY_CUDA: Counters = Counters::new();
@@ -1151,7 +1152,7 @@ fn backward(
     let p = Problem::new(op, kernel, operands, bias, Some(grad_output))?;
     let want = Wanted::from_mask(mask, p.bias.is_some())?;
     let acc = acc_dtype(p.dtype);
-    let factors = contiguous(&crate::rms_norm::to_dtype(grad_output, acc)?)?;
+    let factors = contiguous(&to_dtype(grad_output, acc)?)?;
     let loss = Loss {
         ignore_index,
         reduction: Reduction::None,

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use graft_abi::{Library, Result};
 
-use crate::stats::Counters;
+use crate::common::stats::Counters;
 use crate::GraftInfo;
 
 /// One operator: its schema and its kernels.

@@ -28,12 +28,11 @@ use graft_kernels::ops::rms_norm::{self, WeightMode};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
-use crate::rms_norm::cuda::{
-    cuda_error, filled, kernel_dtype, kernel_weight, launch_backward, ptr, BackwardOperands,
-};
-use crate::rms_norm::{acc_dtype, contiguous, to_dtype};
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::cuda::{cuda_error, kernel_dtype, ptr};
+use crate::common::rms_norm_cuda::{kernel_weight, launch_backward, BackwardOperands};
+use crate::common::stats::Counters;
+use crate::common::tensor::{acc_dtype, contiguous, filled, to_dtype};
+use crate::common::threads::TorchPool;
 
 pub static RMS_NORM_CPU: Counters = Counters::new();
 pub static RMS_NORM_CUDA: Counters = Counters::new();

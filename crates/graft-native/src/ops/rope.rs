@@ -23,9 +23,10 @@ use graft_kernels::ops::rope::{self, coalesce, RopeOperand};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
-use crate::rms_norm::contiguous;
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::cuda::{cuda_dtype, ptr};
+use crate::common::stats::Counters;
+use crate::common::tensor::{contiguous, unsupported};
+use crate::common::threads::TorchPool;
 
 pub static ROPE_CPU: Counters = Counters::new();
 pub static ROPE_CUDA: Counters = Counters::new();
@@ -379,10 +380,6 @@ impl Call {
     }
 }
 
-fn unsupported(op: &str, dtype: DType) -> graft_abi::Error {
-    graft_abi::Error::msg(format!("\"{op}\" not implemented for '{}'", dtype.name()))
-}
-
 // ------------------------------------------------------------------------------------ CPU
 
 fn run_cpu_typed<T: Float + Element>(call: &mut Call, backward: bool) -> Result<()> {
@@ -429,20 +426,6 @@ fn run_cpu(
 }
 
 // ----------------------------------------------------------------------------------- CUDA
-
-fn cuda_dtype(op: &str, dtype: DType) -> Result<graft_cuda::DType> {
-    Ok(match dtype {
-        DType::F32 => graft_cuda::DType::F32,
-        DType::F64 => graft_cuda::DType::F64,
-        DType::BF16 => graft_cuda::DType::BF16,
-        DType::F16 => graft_cuda::DType::F16,
-        other => return Err(unsupported(op, other)),
-    })
-}
-
-fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
-}
 
 fn cuda_operand(o: &Operand) -> Result<CudaOperand> {
     Ok(CudaOperand {

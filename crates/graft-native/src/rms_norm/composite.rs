@@ -11,8 +11,9 @@
 
 use graft_abi::{dispatch, DType, Device, Element, NewTensor, Result, Tensor};
 
-use super::{contiguous, not_implemented, shape_of, to_dtype};
-use crate::layout;
+use super::{not_implemented, shape_of};
+use crate::common::layout;
+use crate::common::tensor::{contiguous, to_dtype};
 
 /// Two floats: one complex number, as complex tensors store it.
 #[derive(Clone, Copy)]

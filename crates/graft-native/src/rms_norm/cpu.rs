@@ -10,11 +10,13 @@ use graft_kernels::Float;
 use half::{bf16, f16};
 
 use super::{
-    acc_dtype, check_backward_cpu, composite, contiguous, default_eps, in_backward_layout,
-    in_forward_layout, plan_forward_cpu, rstd_sizes, to_dtype, Geometry,
+    check_backward_cpu, composite, default_eps, in_backward_layout, in_forward_layout,
+    plan_forward_cpu, Geometry,
 };
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::layout::rstd_sizes;
+use crate::common::stats::Counters;
+use crate::common::tensor::{acc_dtype, contiguous, to_dtype};
+use crate::common::threads::TorchPool;
 
 /// Calls of the forward graft.
 pub static FORWARD: Counters = Counters::new();

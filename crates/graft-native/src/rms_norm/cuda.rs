@@ -6,119 +6,22 @@
 //! contiguous first), a weight of another float dtype (converted to the accumulation type).
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{DType, Device, DeviceType, Kernel, NewTensor, Result, Tensor};
-use graft_cuda::{RmsNormBackward, RmsNormForward, Weight, WeightMode};
+use graft_abi::{DeviceType, Kernel, NewTensor, Result, Tensor};
+use graft_cuda::{RmsNormForward, Weight, WeightMode};
 
 use super::{
-    acc_dtype, check_backward, check_forward, contiguous, default_eps, in_backward_layout,
-    in_forward_layout, rstd_sizes, to_dtype, Geometry,
+    check_backward, check_forward, default_eps, in_backward_layout, in_forward_layout, Geometry,
 };
-use crate::stats::Counters;
+use crate::common::cuda::{cuda_error, kernel_dtype, ptr};
+use crate::common::layout::rstd_sizes;
+use crate::common::rms_norm_cuda::{kernel_weight, launch_backward, BackwardOperands};
+use crate::common::stats::Counters;
+use crate::common::tensor::{acc_dtype, contiguous, filled, to_dtype};
 
 /// Calls of the forward graft.
 pub static FORWARD: Counters = Counters::new();
 /// Calls of the backward graft.
 pub static BACKWARD: Counters = Counters::new();
-
-pub(crate) fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
-    match dtype {
-        DType::F32 => graft_cuda::DType::F32,
-        DType::F64 => graft_cuda::DType::F64,
-        DType::BF16 => graft_cuda::DType::BF16,
-        _ => graft_cuda::DType::F16,
-    }
-}
-
-pub(crate) fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
-}
-
-pub(crate) fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
-    graft_abi::Error::msg(e.to_string())
-}
-
-/// The tensors of one RMSNorm backward launch (`dx` / `dw`: those asked for).
-pub(crate) struct BackwardOperands<'a> {
-    pub dy: &'a Tensor,
-    pub x: &'a Tensor,
-    pub rstd: &'a Tensor,
-    pub weight: Weight,
-    pub dx: Option<&'a Tensor>,
-    pub dw: Option<&'a Tensor>,
-}
-
-/// Launches the backward kernels over `rows` x `cols` (both nonzero) on the current stream of
-/// `device`, with the dw partials' scratch when dw is asked for.
-pub(crate) fn launch_backward(
-    device: Device,
-    dtype: DType,
-    t: BackwardOperands<'_>,
-    rows: usize,
-    cols: usize,
-    mode: WeightMode,
-) -> Result<()> {
-    let want_dw = t.dw.is_some();
-    let workspace_bytes = graft_cuda::rms_norm_backward_workspace_bytes_for(
-        device.index,
-        kernel_dtype(dtype),
-        rows,
-        cols,
-        want_dw,
-    )
-    .map_err(cuda_error)?;
-    // Scratch for the dw partials; without dw the kernels never touch it.
-    let workspace = want_dw
-        .then(|| NewTensor::empty(&[workspace_bytes.max(16) as i64], DType::U8, device))
-        .transpose()?
-        .map(NewTensor::finish);
-    graft_cuda::rms_norm_backward(&RmsNormBackward {
-        device: device.index,
-        stream: current_stream(device.index)? as usize,
-        dtype: kernel_dtype(dtype),
-        dy: ptr(t.dy)?,
-        x: ptr(t.x)?,
-        rstd: ptr(t.rstd)?,
-        weight: t.weight,
-        dx: t.dx.map(ptr).transpose()?,
-        dw: t.dw.map(ptr).transpose()?,
-        workspace: workspace.as_ref().map(ptr).transpose()?.unwrap_or(0),
-        workspace_bytes,
-        rows,
-        cols,
-        mode,
-    })
-    .map_err(cuda_error)
-}
-
-/// A contiguous weight the kernels can read: in the input's dtype, or else in the accumulation
-/// dtype (converted; rare: F.rms_norm only reaches the op with matching dtypes).
-pub(crate) fn kernel_weight(
-    weight: Option<&Tensor>,
-    dtype: DType,
-) -> Result<(Option<Tensor>, Weight)> {
-    let Some(weight) = weight else {
-        return Ok((None, Weight::None));
-    };
-    if weight.dtype()? == dtype {
-        let w = contiguous(weight)?;
-        let p = ptr(&w)?;
-        Ok((Some(w), Weight::Same(p)))
-    } else {
-        let w = contiguous(&to_dtype(weight, acc_dtype(dtype))?)?;
-        let p = ptr(&w)?;
-        Ok((Some(w), Weight::Acc(p)))
-    }
-}
-
-/// A tensor of `sizes` on `device` holding `value` everywhere (made on the CPU, then copied:
-/// the stable ABI cannot pass a Scalar to aten::fill_).
-pub(crate) fn filled(sizes: &[i64], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
-    let mut host = NewTensor::empty(sizes, DType::F64, Device::CPU)?;
-    host.as_mut_slice::<f64>()?.fill(value);
-    let out = NewTensor::empty(sizes, dtype, device)?.finish();
-    out.copy_from(&host.finish())?;
-    Ok(out)
-}
 
 /// aten::_fused_rms_norm at the CUDA key.
 pub struct ForwardCuda;

@@ -2,19 +2,16 @@
 //!
 //! What every device shares lives here: argument checks with ATen's messages, the shapes, dtypes
 //! and strides of the outputs (those of ATen's meta function, which torch.compile relies on,
-//! computed in Rust by [`crate::layout`]), and eps defaults.
+//! computed in Rust by [`crate::common::layout`]), and eps defaults.
 
 mod composite;
 pub mod cpu;
 pub mod cuda;
 
-use graft_abi::{
-    contiguous_strides, dispatch, ensure, DType, DeviceType, Operands, Result, Tensor,
-};
+use graft_abi::{ensure, DType, DeviceType, Operands, Result, Tensor};
 
-use crate::layout::{self, Shape};
-
-pub use crate::layout::rstd_sizes;
+use crate::common::layout::{self, Shape};
+use crate::common::tensor::acc_dtype;
 
 /// An RMSNorm call seen as `rows` rows of `cols` normalized elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,15 +222,6 @@ fn check_shapes(
     })
 }
 
-/// The dtype RMSNorm accumulates in and returns rstd in: float64 for float64, else float32.
-pub fn acc_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// eps when the call passes None: the machine epsilon of the accumulation type.
 pub fn default_eps(dtype: DType) -> f64 {
     if acc_dtype(dtype) == DType::F64 {
@@ -241,31 +229,6 @@ pub fn default_eps(dtype: DType) -> f64 {
     } else {
         f64::from(f32::EPSILON)
     }
-}
-
-/// A contiguous tensor with `t`'s values: `t` itself when it already is one.
-pub fn contiguous(t: &Tensor) -> Result<Tensor> {
-    if t.is_contiguous()? {
-        return t.new_ref();
-    }
-    let sizes = t.sizes()?;
-    let out = Tensor::empty_strided(sizes, &contiguous_strides(sizes), t.dtype()?, t.device()?)?;
-    out.copy_from(t)?;
-    Ok(out)
-}
-
-/// `t` converted to `dtype` (a copy through `aten::_to_copy`; `t` itself when it has it).
-pub fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if t.dtype()? == dtype {
-        return t.new_ref();
-    }
-    let none = None::<i64>;
-    let (out,): (Tensor,) = dispatch::call(
-        c"aten::_to_copy",
-        c"",
-        (t, Some(dtype), none, none, None::<bool>, false, none),
-    )?;
-    Ok(out)
 }
 
 /// `t` with the given strides (a copy when its own differ).

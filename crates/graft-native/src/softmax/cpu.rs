@@ -13,9 +13,9 @@ use super::{
     check_backward, check_forward, counters, expect_dtype, geometry, grad_input_dtype, is_last_dim,
     not_implemented, wrap_dim, Backward, BackwardArgs, Forward, ForwardArgs, Shape, Which,
 };
-use crate::rms_norm::contiguous;
-use crate::stats::Counters;
-use crate::threads::TorchPool;
+use crate::common::stats::Counters;
+use crate::common::tensor::contiguous;
+use crate::common::threads::TorchPool;
 
 /// Calls of `aten::_softmax` at CPU.
 pub static SOFTMAX: Counters = Counters::new();

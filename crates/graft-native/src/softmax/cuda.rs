@@ -19,8 +19,9 @@ use super::{
     check_backward, check_forward, counters, expect_dtype, geometry, grad_input_dtype,
     not_implemented, wrap_dim, Backward, BackwardArgs, Forward, ForwardArgs, Kind, Shape, Which,
 };
-use crate::rms_norm::contiguous;
-use crate::stats::Counters;
+use crate::common::cuda::{cuda_error, kernel_dtype, ptr};
+use crate::common::stats::Counters;
+use crate::common::tensor::contiguous;
 
 /// Calls of `aten::_softmax` at CUDA.
 pub static SOFTMAX: Counters = Counters::new();
@@ -33,15 +34,6 @@ pub static LOG_SOFTMAX_BACKWARD: Counters = Counters::new();
 
 /// The CUDA device, as a type.
 pub struct Cuda;
-
-fn kernel_dtype(dtype: DType) -> graft_cuda::DType {
-    match dtype {
-        DType::F32 => graft_cuda::DType::F32,
-        DType::F64 => graft_cuda::DType::F64,
-        DType::BF16 => graft_cuda::DType::BF16,
-        _ => graft_cuda::DType::F16,
-    }
-}
 
 /// Sends every call to the kernels when set to `always` at [`crate::enable`] (the kernels' tests
 /// use it); by default a call goes to them only where they were [`measured_faster`].
@@ -72,14 +64,6 @@ fn measured_faster(
     };
     let fast = matches!(dtype, DType::BF16 | DType::F16) && !converts;
     ALWAYS.load(Ordering::Relaxed) || fast && shape.inner == 1 && width_ok
-}
-
-fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(t.data_ptr()? as u64)
-}
-
-fn cuda_error(e: graft_cuda::CudaError) -> graft_abi::Error {
-    graft_abi::Error::msg(e.to_string())
 }
 
 impl<W: Which> Kernel for Forward<W, Cuda> {

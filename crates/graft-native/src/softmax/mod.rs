@@ -14,7 +14,7 @@ use std::marker::PhantomData;
 use graft_abi::{ensure, DType, DeviceType, Operands, Result, Tensor};
 pub use graft_kernels::ops::softmax::{Kind, Shape};
 
-use crate::stats::Counters;
+use crate::common::stats::Counters;
 
 /// Softmax or log-softmax, as a type.
 pub trait Which: 'static {
