@@ -4,12 +4,9 @@
 //! [`enable`] registers every graft this process can run, [`disable`] removes them (the kernels
 //! that were there before come back), [`grafts`] reports them with their call counts.
 
-pub mod adam;
 mod common;
-pub mod layer_norm;
+pub mod grafts;
 pub mod ops;
-pub mod rms_norm;
-pub mod softmax;
 
 use std::collections::BTreeSet;
 use std::ffi::{CStr, CString};
@@ -18,6 +15,7 @@ use std::sync::{Mutex, MutexGuard};
 use graft_abi::{Library, Result, Tensor};
 
 pub use common::stats::Counters;
+use grafts::{adam, layer_norm, rms_norm, softmax};
 
 /// One native graft: an operator at a dispatch key.
 #[derive(Clone, Debug, PartialEq, Eq)]
