@@ -56,14 +56,13 @@ use graft_kernels::ops::cross_entropy::{self as ce, CeMath, Scale};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
-use super::cross_entropy::{
-    count_cpu, grad_scale, kernel_device, rows_cpu, rows_cuda, with_target, CpuRows, CudaCall,
-    CudaRows, Loss, Reduction,
-};
 use crate::common::cuda::{cuda_dtype, cuda_error, ptr};
 use crate::common::stats::Counters;
 use crate::common::tensor::{acc_dtype, contiguous, to_dtype};
 use crate::common::threads::TorchPool;
+use crate::ops::cross_entropy::cpu::{count_cpu, rows_cpu, CpuRows};
+use crate::ops::cross_entropy::cuda::{rows_cuda, CudaCall, CudaRows};
+use crate::ops::cross_entropy::{grad_scale, kernel_device, with_target, Loss, Reduction};
 
 pub static LINEAR_CROSS_ENTROPY_CPU: Counters = Counters::new();
 pub static LINEAR_CROSS_ENTROPY_CUDA: Counters = Counters::new();

@@ -13,25 +13,16 @@
 //! contiguous; the backward's are dense with the heads innermost (`OutLayout`), the layout of
 //! the projections q and k are views of.
 
-use graft_abi::cuda::{current_stream, DeviceGuard};
+pub mod cpu;
+pub mod cuda;
+
 use graft_abi::{
-    contiguous_strides, dispatch, ensure, is_dense, Checked, DType, Device, DeviceType, Element,
-    Kernel, NewTensor, Operands, Result, Tensor,
+    contiguous_strides, dispatch, ensure, is_dense, Checked, DType, Device, DeviceType, NewTensor,
+    Operands, Result, Tensor,
 };
-use graft_cuda::{RopeArgs, RopeOperand as CudaOperand};
-use graft_kernels::ops::rope::{self, coalesce, RopeOperand};
-use graft_kernels::Float;
-use half::{bf16, f16};
+use graft_kernels::ops::rope::coalesce;
 
-use crate::common::cuda::{cuda_dtype, ptr};
-use crate::common::stats::Counters;
-use crate::common::tensor::{contiguous, unsupported};
-use crate::common::threads::TorchPool;
-
-pub static ROPE_CPU: Counters = Counters::new();
-pub static ROPE_CUDA: Counters = Counters::new();
-pub static ROPE_BACKWARD_CPU: Counters = Counters::new();
-pub static ROPE_BACKWARD_CUDA: Counters = Counters::new();
+use crate::common::tensor::contiguous;
 
 /// `cos` and `sin` as the kernels read them: last dimension contiguous, and the sizes and
 /// strides of `cos.unsqueeze(unsqueeze_dim)` (the same for `sin`).
@@ -377,146 +368,5 @@ impl Call {
     fn outputs(self) -> (Tensor, Tensor) {
         let [q, k] = self.ops;
         (q.out.finish(), k.out.finish())
-    }
-}
-
-// ------------------------------------------------------------------------------------ CPU
-
-fn run_cpu_typed<T: Float + Element>(call: &mut Call, backward: bool) -> Result<()> {
-    let rotary_dim = call.rotary_dim;
-    for o in &mut call.ops {
-        let operand = RopeOperand {
-            sizes: o.sizes,
-            x: o.x.as_strided_slice::<T>()?,
-            x_strides: o.x_strides,
-            cos: o.cos.as_strided_slice::<T>()?,
-            cos_strides: o.cos_strides,
-            sin: o.sin.as_strided_slice::<T>()?,
-            sin_strides: o.sin_strides,
-            head_dim: o.head_dim,
-            rotary_dim,
-        };
-        rope::rope(
-            &operand,
-            backward,
-            o.out.as_mut_dense_slice::<T>()?,
-            &TorchPool,
-        );
-    }
-    Ok(())
-}
-
-fn run_cpu(
-    op: &str,
-    backward: bool,
-    x: [&Tensor; 2],
-    cos: &Tensor,
-    sin: &Tensor,
-    unsqueeze_dim: i64,
-) -> Result<(Tensor, Tensor)> {
-    let mut call = Call::new(op, DeviceType::CPU, backward, x, cos, sin, unsqueeze_dim)?;
-    match call.dtype {
-        DType::F32 => run_cpu_typed::<f32>(&mut call, backward)?,
-        DType::F64 => run_cpu_typed::<f64>(&mut call, backward)?,
-        DType::BF16 => run_cpu_typed::<bf16>(&mut call, backward)?,
-        DType::F16 => run_cpu_typed::<f16>(&mut call, backward)?,
-        other => return Err(unsupported(op, other)),
-    }
-    Ok(call.outputs())
-}
-
-// ----------------------------------------------------------------------------------- CUDA
-
-fn cuda_operand(o: &Operand) -> Result<CudaOperand> {
-    Ok(CudaOperand {
-        x: ptr(&o.x)?,
-        out: ptr(o.out.tensor())?,
-        sizes: o.sizes,
-        x_strides: o.x_strides,
-        cos_strides: o.cos_strides,
-        sin_strides: o.sin_strides,
-        head_dim: o.head_dim,
-    })
-}
-
-fn run_cuda(
-    op: &str,
-    backward: bool,
-    x: [&Tensor; 2],
-    cos: &Tensor,
-    sin: &Tensor,
-    unsqueeze_dim: i64,
-) -> Result<(Tensor, Tensor)> {
-    let call = Call::new(op, DeviceType::CUDA, backward, x, cos, sin, unsqueeze_dim)?;
-    let _guard = DeviceGuard::new(call.device.index)?;
-    let args = |operands: [CudaOperand; 2], o: &Operand| -> Result<RopeArgs> {
-        Ok(RopeArgs {
-            device: call.device.index,
-            stream: current_stream(call.device.index)? as usize,
-            dtype: cuda_dtype(op, call.dtype)?,
-            backward,
-            operands,
-            cos: ptr(&o.cos)?,
-            sin: ptr(&o.sin)?,
-            rotary_dim: call.rotary_dim,
-        })
-    };
-    let [q, k] = &call.ops;
-    let (cq, ck) = (cuda_operand(q)?, cuda_operand(k)?);
-    let launch =
-        |a: RopeArgs| graft_cuda::rope(&a).map_err(|e| graft_abi::Error::msg(e.to_string()));
-    if ptr(&q.cos)? == ptr(&k.cos)? && ptr(&q.sin)? == ptr(&k.sin)? {
-        launch(args([cq, ck], q)?)?;
-    } else {
-        // Tables materialized per operand (layouts with more than three leading dimensions).
-        launch(args([cq, CudaOperand::default()], q)?)?;
-        launch(args([ck, CudaOperand::default()], k)?)?;
-    }
-    Ok(call.outputs())
-}
-
-// -------------------------------------------------------------------------------- kernels
-
-/// `torchgraft::rope` at CPU.
-pub struct RopeCpu;
-impl Kernel for RopeCpu {
-    type Args = (Tensor, Tensor, Tensor, Tensor, i64);
-    type Outputs = (Tensor, Tensor);
-    fn run((q, k, cos, sin, dim): Self::Args) -> Result<(Tensor, Tensor)> {
-        ROPE_CPU.call();
-        run_cpu("rope", false, [&q, &k], &cos, &sin, dim)
-    }
-}
-
-/// `torchgraft::rope_backward` at CPU.
-pub struct RopeBackwardCpu;
-impl Kernel for RopeBackwardCpu {
-    type Args = (Tensor, Tensor, Tensor, Tensor, i64);
-    type Outputs = (Tensor, Tensor);
-    fn run((gq, gk, cos, sin, dim): Self::Args) -> Result<(Tensor, Tensor)> {
-        ROPE_BACKWARD_CPU.call();
-        run_cpu("rope_backward", true, [&gq, &gk], &cos, &sin, dim)
-    }
-}
-
-/// `torchgraft::rope` at CUDA.
-pub struct RopeCuda;
-impl Kernel for RopeCuda {
-    type Args = (Tensor, Tensor, Tensor, Tensor, i64);
-    type Outputs = (Tensor, Tensor);
-    fn run((q, k, cos, sin, dim): Self::Args) -> Result<(Tensor, Tensor)> {
-        ROPE_CUDA.call();
-        run_cuda("rope", false, [&q, &k], &cos, &sin, dim)
-    }
-}
-
-/// `torchgraft::rope_backward` at CUDA.
-pub struct RopeBackwardCuda;
-impl Kernel for RopeBackwardCuda {
-    type Args = (Tensor, Tensor, Tensor, Tensor, i64);
-    type Outputs = (Tensor, Tensor);
-    fn run((gq, gk, cos, sin, dim): Self::Args) -> Result<(Tensor, Tensor)> {
-        ROPE_BACKWARD_CUDA.call();
-        run_cuda("rope_backward", true, [&gq, &gk], &cos, &sin, dim)
     }
 }
