@@ -1,8 +1,25 @@
-//! What every CUDA launch through graft-cuda needs: dtypes, device pointers, errors.
+//! Whether this process can run the CUDA kernels, and what every launch through graft-cuda needs:
+//! dtypes, device pointers, errors.
 
 use graft_abi::{DType, Result, Tensor};
 
 use super::tensor::unsupported;
+
+/// Whether the CUDA grafts and op kernels can be registered in this process: Ok(number of GPUs),
+/// or why not.
+pub fn cuda_status() -> std::result::Result<usize, String> {
+    if !graft_cuda::kernels_built() {
+        return Err("this build has no CUDA kernels (nvcc was not found when it was built)".into());
+    }
+    if !graft_abi::cuda::torch_has_cuda() {
+        return Err("this torch has no CUDA support loaded".into());
+    }
+    match graft_cuda::device_count() {
+        Ok(0) => Err("the CUDA driver sees no GPU".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("no CUDA driver: {e}")),
+    }
+}
 
 /// graft-cuda's dtype of a float dtype the caller has already checked.
 pub fn kernel_dtype(dtype: DType) -> graft_cuda::DType {

@@ -1,4 +1,5 @@
-//! Per-graft call counters, cheap enough for every call (relaxed atomics).
+//! Per-graft call counters, cheap enough for every call (relaxed atomics), and the report of one
+//! graft or op kernel with them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -48,4 +49,19 @@ impl Default for Counters {
     fn default() -> Counters {
         Counters::new()
     }
+}
+
+/// One native graft: an operator at a dispatch key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraftInfo {
+    /// Qualified operator name, e.g. `aten::_fused_rms_norm`.
+    pub op: &'static str,
+    /// Dispatch key, e.g. `CPU`.
+    pub dispatch_key: &'static str,
+    /// Whether it is registered now.
+    pub active: bool,
+    /// Calls since the last reset.
+    pub calls: u64,
+    /// Calls computed by a slower general path instead of the fused kernel.
+    pub fallbacks: u64,
 }

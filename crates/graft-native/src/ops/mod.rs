@@ -16,8 +16,8 @@ use std::sync::Mutex;
 
 use graft_abi::{Library, Result};
 
-use crate::common::stats::Counters;
-use crate::GraftInfo;
+use crate::common::cuda::cuda_status;
+use crate::common::stats::{Counters, GraftInfo};
 
 /// One operator: its schema and its kernels.
 struct CustomOp {
@@ -208,7 +208,7 @@ pub fn define() -> Result<()> {
         (op.register_cpu)(&mut cpu)?;
     }
     let mut libraries = vec![schemas, cpu];
-    let cuda = crate::cuda_status().is_ok();
+    let cuda = cuda_status().is_ok();
     if cuda {
         let mut lib = Library::implementations(c"torchgraft", c"CUDA")?;
         for op in OPS {
