@@ -1,6 +1,6 @@
 """Autograd and fake functions of ``torchgraft::swiglu`` and ``torchgraft::geglu``.
 
-The schemas and kernels are native (crates/graft-native/src/ops/glu.rs); importing this module
+The schemas and kernels are native (crates/graft-native/src/ops/glu/); importing this module
 defines them and registers what only Python can give: the fake function (shapes for
 ``torch.compile``, with the kernels' checks) and the autograd formula, whose backward is the
 fused ``*_backward`` op, or with ``inplace_backward=True`` the ``*_backward_`` op that writes the

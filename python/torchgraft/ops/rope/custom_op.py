@@ -1,6 +1,6 @@
 """Autograd and fake functions of ``torchgraft::rope``.
 
-The schemas and kernels are native (crates/graft-native/src/ops/rope.rs); importing this module
+The schemas and kernels are native (crates/graft-native/src/ops/rope/); importing this module
 defines them and registers what only Python can give: the fake function (shapes and strides for
 ``torch.compile``, with the kernels' checks) and the autograd formula. The gradients of ``q`` and
 ``k`` come from the fused ``rope_backward`` op; ``cos`` and ``sin`` (which models compute without
