@@ -1,9 +1,9 @@
 """torchgraft.functional.linear_cross_entropy: values, gradients, chunks, errors, compile (CPU).
 
-Every test runs under each scheme of the op (crates/graft-native/src/ops/linear_cross_entropy.rs):
-the automatic choice (row chunks), row chunks forced, and the two-pass vocabulary-blocked scheme
-forced with groups and blocks small enough that these shapes have several of each
-(``TORCHGRAFT_LCE_SCHEME``, read by the op at each call)."""
+Every test runs under each scheme of the op
+(crates/graft-native/src/ops/linear_cross_entropy/plan.rs): the automatic choice (row chunks), row
+chunks forced, and the two-pass vocabulary-blocked scheme forced with groups and blocks small enough
+that these shapes have several of each (``TORCHGRAFT_LCE_SCHEME``, read by the op at each call)."""
 
 from __future__ import annotations
 

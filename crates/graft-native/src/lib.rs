@@ -3,15 +3,14 @@
 //!
 //! [`enable`] registers every graft this process can run, [`disable`] removes them (the kernels
 //! that were there before come back), [`grafts`] reports them with their call counts.
+//!
+//! Layout: [`grafts`]`/<aten op>/` holds the aten grafts, listed one row per (op, key) in
+//! `GRAFTS` below; [`ops`]`/<op>/` holds torchgraft's own operators, listed in `ops::OPS`;
+//! `common/` holds what both use and imports neither. Ops never import grafts (docs/adding-an-op.md).
 
-pub mod adam;
-pub mod layer_norm;
-mod layout;
+mod common;
+pub mod grafts;
 pub mod ops;
-pub mod rms_norm;
-pub mod softmax;
-mod stats;
-mod threads;
 
 use std::collections::BTreeSet;
 use std::ffi::{CStr, CString};
@@ -19,22 +18,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use graft_abi::{Library, Result, Tensor};
 
-pub use stats::Counters;
-
-/// One native graft: an operator at a dispatch key.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GraftInfo {
-    /// Qualified operator name, e.g. `aten::_fused_rms_norm`.
-    pub op: &'static str,
-    /// Dispatch key, e.g. `CPU`.
-    pub dispatch_key: &'static str,
-    /// Whether it is registered now.
-    pub active: bool,
-    /// Calls since the last reset.
-    pub calls: u64,
-    /// Calls computed by a slower general path instead of the fused kernel.
-    pub fallbacks: u64,
-}
+pub use common::cuda::cuda_status;
+pub use common::stats::{Counters, GraftInfo};
+use grafts::{adam, layer_norm, rms_norm, softmax};
 
 struct Graft {
     op: &'static str,
@@ -423,21 +409,6 @@ pub fn disable() {
 /// Whether the native grafts are registered.
 pub fn is_enabled() -> bool {
     lock(&INSTALLED).is_some()
-}
-
-/// Whether the CUDA grafts can be registered in this process: Ok(number of GPUs), or why not.
-pub fn cuda_status() -> std::result::Result<usize, String> {
-    if !graft_cuda::kernels_built() {
-        return Err("this build has no CUDA kernels (nvcc was not found when it was built)".into());
-    }
-    if !graft_abi::cuda::torch_has_cuda() {
-        return Err("this torch has no CUDA support loaded".into());
-    }
-    match graft_cuda::device_count() {
-        Ok(0) => Err("the CUDA driver sees no GPU".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(format!("no CUDA driver: {e}")),
-    }
 }
 
 /// Every native graft this build has, with its state and counters (torchgraft's own operators'

@@ -16,8 +16,8 @@ use std::sync::Mutex;
 
 use graft_abi::{Library, Result};
 
-use crate::stats::Counters;
-use crate::GraftInfo;
+use crate::common::cuda::cuda_status;
+use crate::common::stats::{Counters, GraftInfo};
 
 /// One operator: its schema and its kernels.
 struct CustomOp {
@@ -34,85 +34,85 @@ const OPS: &[CustomOp] = &[
     CustomOp {
         op: "torchgraft::swiglu",
         schema: c"swiglu(Tensor gate, Tensor up, *, bool inplace_backward=False) -> Tensor",
-        register_cpu: |lib| lib.register::<glu::SwigluCpu>(c"swiglu"),
-        register_cuda: |lib| lib.register::<glu::SwigluCuda>(c"swiglu"),
-        cpu_counters: &glu::SWIGLU_CPU,
-        cuda_counters: &glu::SWIGLU_CUDA,
+        register_cpu: |lib| lib.register::<glu::cpu::SwigluCpu>(c"swiglu"),
+        register_cuda: |lib| lib.register::<glu::cuda::SwigluCuda>(c"swiglu"),
+        cpu_counters: &glu::cpu::SWIGLU_CPU,
+        cuda_counters: &glu::cuda::SWIGLU_CUDA,
     },
     CustomOp {
         op: "torchgraft::swiglu_backward",
         schema: c"swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<glu::SwigluBackwardCpu>(c"swiglu_backward"),
-        register_cuda: |lib| lib.register::<glu::SwigluBackwardCuda>(c"swiglu_backward"),
-        cpu_counters: &glu::SWIGLU_BACKWARD_CPU,
-        cuda_counters: &glu::SWIGLU_BACKWARD_CUDA,
+        register_cpu: |lib| lib.register::<glu::cpu::SwigluBackwardCpu>(c"swiglu_backward"),
+        register_cuda: |lib| lib.register::<glu::cuda::SwigluBackwardCuda>(c"swiglu_backward"),
+        cpu_counters: &glu::cpu::SWIGLU_BACKWARD_CPU,
+        cuda_counters: &glu::cuda::SWIGLU_BACKWARD_CUDA,
     },
     CustomOp {
         op: "torchgraft::geglu",
         schema: c"geglu(Tensor gate, Tensor up, bool tanh, *, bool inplace_backward=False) -> Tensor",
-        register_cpu: |lib| lib.register::<glu::GegluCpu>(c"geglu"),
-        register_cuda: |lib| lib.register::<glu::GegluCuda>(c"geglu"),
-        cpu_counters: &glu::GEGLU_CPU,
-        cuda_counters: &glu::GEGLU_CUDA,
+        register_cpu: |lib| lib.register::<glu::cpu::GegluCpu>(c"geglu"),
+        register_cuda: |lib| lib.register::<glu::cuda::GegluCuda>(c"geglu"),
+        cpu_counters: &glu::cpu::GEGLU_CPU,
+        cuda_counters: &glu::cuda::GEGLU_CUDA,
     },
     CustomOp {
         op: "torchgraft::geglu_backward",
         schema:
             c"geglu_backward(Tensor grad, Tensor gate, Tensor up, bool tanh) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<glu::GegluBackwardCpu>(c"geglu_backward"),
-        register_cuda: |lib| lib.register::<glu::GegluBackwardCuda>(c"geglu_backward"),
-        cpu_counters: &glu::GEGLU_BACKWARD_CPU,
-        cuda_counters: &glu::GEGLU_BACKWARD_CUDA,
+        register_cpu: |lib| lib.register::<glu::cpu::GegluBackwardCpu>(c"geglu_backward"),
+        register_cuda: |lib| lib.register::<glu::cuda::GegluBackwardCuda>(c"geglu_backward"),
+        cpu_counters: &glu::cpu::GEGLU_BACKWARD_CPU,
+        cuda_counters: &glu::cuda::GEGLU_BACKWARD_CUDA,
     },
     CustomOp {
         op: "torchgraft::swiglu_backward_",
         schema: c"swiglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up) -> ()",
-        register_cpu: |lib| lib.register::<glu::SwigluBackwardInPlaceCpu>(c"swiglu_backward_"),
-        register_cuda: |lib| lib.register::<glu::SwigluBackwardInPlaceCuda>(c"swiglu_backward_"),
-        cpu_counters: &glu::SWIGLU_BACKWARD_INPLACE_CPU,
-        cuda_counters: &glu::SWIGLU_BACKWARD_INPLACE_CUDA,
+        register_cpu: |lib| lib.register::<glu::cpu::SwigluBackwardInPlaceCpu>(c"swiglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::cuda::SwigluBackwardInPlaceCuda>(c"swiglu_backward_"),
+        cpu_counters: &glu::cpu::SWIGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::cuda::SWIGLU_BACKWARD_INPLACE_CUDA,
     },
     CustomOp {
         op: "torchgraft::geglu_backward_",
         schema: c"geglu_backward_(Tensor grad, Tensor(a!) gate, Tensor(b!) up, bool tanh) -> ()",
-        register_cpu: |lib| lib.register::<glu::GegluBackwardInPlaceCpu>(c"geglu_backward_"),
-        register_cuda: |lib| lib.register::<glu::GegluBackwardInPlaceCuda>(c"geglu_backward_"),
-        cpu_counters: &glu::GEGLU_BACKWARD_INPLACE_CPU,
-        cuda_counters: &glu::GEGLU_BACKWARD_INPLACE_CUDA,
+        register_cpu: |lib| lib.register::<glu::cpu::GegluBackwardInPlaceCpu>(c"geglu_backward_"),
+        register_cuda: |lib| lib.register::<glu::cuda::GegluBackwardInPlaceCuda>(c"geglu_backward_"),
+        cpu_counters: &glu::cpu::GEGLU_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::cuda::GEGLU_BACKWARD_INPLACE_CUDA,
     },
     CustomOp {
         op: "torchgraft::rope",
         schema: c"rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<rope::RopeCpu>(c"rope"),
-        register_cuda: |lib| lib.register::<rope::RopeCuda>(c"rope"),
-        cpu_counters: &rope::ROPE_CPU,
-        cuda_counters: &rope::ROPE_CUDA,
+        register_cpu: |lib| lib.register::<rope::cpu::RopeCpu>(c"rope"),
+        register_cuda: |lib| lib.register::<rope::cuda::RopeCuda>(c"rope"),
+        cpu_counters: &rope::cpu::ROPE_CPU,
+        cuda_counters: &rope::cuda::ROPE_CUDA,
     },
     CustomOp {
         op: "torchgraft::rope_backward",
         schema: c"rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, int unsqueeze_dim) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<rope::RopeBackwardCpu>(c"rope_backward"),
-        register_cuda: |lib| lib.register::<rope::RopeBackwardCuda>(c"rope_backward"),
-        cpu_counters: &rope::ROPE_BACKWARD_CPU,
-        cuda_counters: &rope::ROPE_BACKWARD_CUDA,
+        register_cpu: |lib| lib.register::<rope::cpu::RopeBackwardCpu>(c"rope_backward"),
+        register_cuda: |lib| lib.register::<rope::cuda::RopeBackwardCuda>(c"rope_backward"),
+        cpu_counters: &rope::cpu::ROPE_BACKWARD_CPU,
+        cuda_counters: &rope::cuda::ROPE_BACKWARD_CUDA,
     },
     CustomOp {
         op: "torchgraft::cross_entropy",
         schema: c"cross_entropy(Tensor logits, Tensor target, int ignore_index, int reduction, float label_smoothing, bool compute_grad) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<cross_entropy::CrossEntropyCpu>(c"cross_entropy"),
-        register_cuda: |lib| lib.register::<cross_entropy::CrossEntropyCuda>(c"cross_entropy"),
-        cpu_counters: &cross_entropy::CROSS_ENTROPY_CPU,
-        cuda_counters: &cross_entropy::CROSS_ENTROPY_CUDA,
+        register_cpu: |lib| lib.register::<cross_entropy::cpu::CrossEntropyCpu>(c"cross_entropy"),
+        register_cuda: |lib| lib.register::<cross_entropy::cuda::CrossEntropyCuda>(c"cross_entropy"),
+        cpu_counters: &cross_entropy::cpu::CROSS_ENTROPY_CPU,
+        cuda_counters: &cross_entropy::cuda::CROSS_ENTROPY_CUDA,
     },
     CustomOp {
         op: "torchgraft::cross_entropy_",
         schema: c"cross_entropy_(Tensor(a!) logits, Tensor target, int ignore_index, int reduction, float label_smoothing) -> Tensor",
-        register_cpu: |lib| lib.register::<cross_entropy::CrossEntropyInPlaceCpu>(c"cross_entropy_"),
+        register_cpu: |lib| lib.register::<cross_entropy::cpu::CrossEntropyInPlaceCpu>(c"cross_entropy_"),
         register_cuda: |lib| {
-            lib.register::<cross_entropy::CrossEntropyInPlaceCuda>(c"cross_entropy_")
+            lib.register::<cross_entropy::cuda::CrossEntropyInPlaceCuda>(c"cross_entropy_")
         },
-        cpu_counters: &cross_entropy::CROSS_ENTROPY_INPLACE_CPU,
-        cuda_counters: &cross_entropy::CROSS_ENTROPY_INPLACE_CUDA,
+        cpu_counters: &cross_entropy::cpu::CROSS_ENTROPY_INPLACE_CPU,
+        cuda_counters: &cross_entropy::cuda::CROSS_ENTROPY_INPLACE_CUDA,
     },
     CustomOp {
         op: "torchgraft::scale_grad",
@@ -169,18 +169,18 @@ const OPS: &[CustomOp] = &[
     CustomOp {
         op: "torchgraft::rms_norm",
         schema: c"rms_norm(Tensor x, Tensor? weight, float eps, float offset, bool cast_before_weight) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<rms_norm::RmsNormCpu>(c"rms_norm"),
-        register_cuda: |lib| lib.register::<rms_norm::RmsNormCuda>(c"rms_norm"),
-        cpu_counters: &rms_norm::RMS_NORM_CPU,
-        cuda_counters: &rms_norm::RMS_NORM_CUDA,
+        register_cpu: |lib| lib.register::<rms_norm::cpu::RmsNormCpu>(c"rms_norm"),
+        register_cuda: |lib| lib.register::<rms_norm::cuda::RmsNormCuda>(c"rms_norm"),
+        cpu_counters: &rms_norm::cpu::RMS_NORM_CPU,
+        cuda_counters: &rms_norm::cuda::RMS_NORM_CUDA,
     },
     CustomOp {
         op: "torchgraft::rms_norm_backward",
         schema: c"rms_norm_backward(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, float offset, bool cast_before_weight, bool[2] output_mask) -> (Tensor, Tensor)",
-        register_cpu: |lib| lib.register::<rms_norm::RmsNormBackwardCpu>(c"rms_norm_backward"),
-        register_cuda: |lib| lib.register::<rms_norm::RmsNormBackwardCuda>(c"rms_norm_backward"),
-        cpu_counters: &rms_norm::RMS_NORM_BACKWARD_CPU,
-        cuda_counters: &rms_norm::RMS_NORM_BACKWARD_CUDA,
+        register_cpu: |lib| lib.register::<rms_norm::cpu::RmsNormBackwardCpu>(c"rms_norm_backward"),
+        register_cuda: |lib| lib.register::<rms_norm::cuda::RmsNormBackwardCuda>(c"rms_norm_backward"),
+        cpu_counters: &rms_norm::cpu::RMS_NORM_BACKWARD_CPU,
+        cuda_counters: &rms_norm::cuda::RMS_NORM_BACKWARD_CUDA,
     },
 ];
 
@@ -208,7 +208,7 @@ pub fn define() -> Result<()> {
         (op.register_cpu)(&mut cpu)?;
     }
     let mut libraries = vec![schemas, cpu];
-    let cuda = crate::cuda_status().is_ok();
+    let cuda = cuda_status().is_ok();
     if cuda {
         let mut lib = Library::implementations(c"torchgraft", c"CUDA")?;
         for op in OPS {

@@ -1,6 +1,6 @@
 """Fake functions of ``torchgraft::cross_entropy`` and its companions, and their shared checks.
 
-The schemas and kernels are native (crates/graft-native/src/ops/cross_entropy.rs):
+The schemas and kernels are native (crates/graft-native/src/ops/cross_entropy/):
 
 - ``cross_entropy(logits, target, ignore_index, reduction, label_smoothing, compute_grad)
   -> (loss, grad)``: the loss and, in the same pass, its gradient into a new buffer (``grad`` is

@@ -1,6 +1,6 @@
 """Fake functions of ``torchgraft::swiglu`` and ``torchgraft::geglu`` and their backward ops.
 
-The schemas and kernels are native (crates/graft-native/src/ops/glu.rs); importing this module
+The schemas and kernels are native (crates/graft-native/src/ops/glu/); importing this module
 defines them and registers the fake functions (shapes for ``torch.compile``, with the kernels'
 checks). Their autograd is :mod:`.autograd`'s.
 """

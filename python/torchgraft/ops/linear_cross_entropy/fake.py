@@ -1,7 +1,7 @@
 """Fake functions of ``torchgraft::linear_cross_entropy`` (autograd: :mod:`.autograd`).
 
 The schemas and the chunked orchestration are native
-(crates/graft-native/src/ops/linear_cross_entropy.rs):
+(crates/graft-native/src/ops/linear_cross_entropy/):
 
 - ``linear_cross_entropy(hidden, weight, target, bias?, ignore_index, reduction, chunk_size,
   output_mask[3]) -> (loss, d_hidden, d_weight, d_bias)``: for ``mean`` / ``sum`` the gradients

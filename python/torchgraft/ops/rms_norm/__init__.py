@@ -4,6 +4,6 @@ one backward), the weight applied as Llama (``weight * xhat.to(dtype)``) or Gemm
 
 ``reference`` holds the float64 reference and the eager expressions models write; ``fake``
 and ``autograd`` give the op its fake functions and autograd (kernels: Rust on CPU, CUDA C++ on
-CUDA; crates/graft-native/src/ops/rms_norm.rs). The public function is
+CUDA; crates/graft-native/src/ops/rms_norm/). The public function is
 ``torchgraft.functional.rms_norm``.
 """

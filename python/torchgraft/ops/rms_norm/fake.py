@@ -1,6 +1,6 @@
 """Fake functions of ``torchgraft::rms_norm`` and ``torchgraft::rms_norm_backward``.
 
-The schemas and kernels are native (crates/graft-native/src/ops/rms_norm.rs); importing this
+The schemas and kernels are native (crates/graft-native/src/ops/rms_norm/); importing this
 module defines them and registers the fake functions (shapes for ``torch.compile``, with the
 kernels' checks and messages). The autograd formula is :mod:`.autograd`'s, whose backward is the
 fused ``rms_norm_backward`` op (dx and dw in one kernel).

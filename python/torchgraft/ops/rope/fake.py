@@ -1,6 +1,6 @@
 """Fake functions of ``torchgraft::rope`` and ``torchgraft::rope_backward``.
 
-The schemas and kernels are native (crates/graft-native/src/ops/rope.rs); importing this module
+The schemas and kernels are native (crates/graft-native/src/ops/rope/); importing this module
 defines them and registers the fake functions (shapes and strides for ``torch.compile``, with the
 kernels' checks). The autograd formula is :mod:`.autograd`'s: the gradients of ``q`` and ``k``
 come from the fused ``rope_backward`` op; ``cos`` and ``sin`` (which models compute without
