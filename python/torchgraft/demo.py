@@ -314,3 +314,31 @@ def _rms_norm_step(
         return torch.autograd.grad(norm(x), (x, norm.weight), grad_out)
 
     return step
+
+
+def main(argv: Sequence[str]) -> int:
+    """``torchgraft demo [options]``: parses ``argv``, runs :func:`run_demo`; the exit status."""
+    from torchgraft import control
+    from torchgraft.cli.args import PROG, CliError, Parser, parse_device, parse_dtype, parse_list
+
+    parser = Parser(prog=f"{PROG} demo")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype", help="bf16, fp16, fp32 or fp64 (default: bf16 on CUDA, fp32 on CPU)"
+    )
+    parser.add_argument("--routes", help="comma-separated torchgraft routes (default: all)")
+    parser.add_argument("--rounds", type=int, default=5, help="timing rounds (default 5)")
+    args = parser.parse_args(list(argv))
+    device = parse_device(args.device)
+    routes = parse_list(args.routes)
+    if routes is not None:
+        unknown = [r for r in routes if r not in control.ROUTES]
+        if unknown:
+            raise CliError(f"unknown route {unknown[0]!r}; known: {', '.join(control.ROUTES)}")
+        for route in routes:
+            reason = torchgraft_route_unavailable(route, device)
+            if reason is not None:
+                raise CliError(f"route {route!r} cannot run on {device}: {reason}")
+    if args.rounds < 1:
+        raise CliError("--rounds must be at least 1")
+    return run_demo(device, parse_dtype(args.dtype), routes, rounds=args.rounds)
