@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from types import ModuleType
 
 import torchgraft
 
-__all__ = ["fired", "graft_counters", "registry_module"]
+__all__ = ["fired", "graft_counters"]
 
 
-def registry_module() -> ModuleType | None:
-    """``torchgraft.registry`` when this build has it (the Python route), else None."""
-    if importlib.util.find_spec("torchgraft.registry") is None:
-        return None
+def _registry() -> ModuleType:  # looked up at each call: tests swap the module in sys.modules
     return importlib.import_module("torchgraft.registry")
 
 
@@ -22,15 +18,11 @@ def graft_counters() -> dict[str, dict[str, int]]:
     """``{"<route>/<op>/<dispatch key>": {"calls": n, "fallbacks": m}}`` for every graft.
 
     Keys start with the route or DSL name (``"native/..."``, ``"triton/..."``). Combines
-    :func:`torchgraft.stats` with the registry's own counters when the registry exists (the
-    same key is counted once).
+    :func:`torchgraft.stats` with the registry's own counters (the same key is counted once).
     """
     counters = {key: dict(value) for key, value in torchgraft.stats().items()}
-    registry = registry_module()
-    override_stats = getattr(registry, "override_stats", None)
-    if override_stats is not None:
-        for key, value in override_stats().items():
-            counters.setdefault(key, dict(value))
+    for key, value in _registry().override_stats().items():
+        counters.setdefault(key, dict(value))
     return counters
 
 

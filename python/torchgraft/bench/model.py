@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import importlib
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +41,7 @@ import torchgraft
 from torchgraft import native
 
 from . import model_zoo, patches, timing
-from .counters import fired, graft_counters, registry_module
+from .counters import fired, graft_counters
 from .harness import describe_device, versions
 from .model_variants import VARIANTS, Prepared, Setting, Variant, watched_namespaces
 from .op_profile import profile_step
@@ -209,10 +210,10 @@ class _Steps:
 def _dispatcher_state() -> tuple[Any, ...]:
     """torchgraft's process-wide state: enabled, active native grafts, registry overrides."""
     grafts = tuple((g.op, g.dispatch_key, g.active) for g in native.grafts())
-    registry = registry_module()
-    list_overrides = getattr(registry, "list_overrides", None)
-    listed = list_overrides() if list_overrides is not None else []
-    overrides = tuple((o.dsl, o.op, o.dispatch_key, o.active) for o in listed)
+    overrides = tuple(
+        (o.dsl, o.op, o.dispatch_key, o.active)
+        for o in importlib.import_module("torchgraft.registry").list_overrides()
+    )
     return (torchgraft.is_enabled(), grafts, overrides)
 
 

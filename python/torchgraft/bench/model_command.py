@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from torchgraft.cli import PROG, CliError, _Parser, parse_device, parse_dtype
+from torchgraft.cli.args import PROG, CliError, Parser, parse_device, parse_dtype
 
 __all__ = ["build_parser", "main"]
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import model_zoo
     from .model_variants import VARIANTS
 
-    parser = _Parser(
+    parser = Parser(
         prog=f"{PROG} bench model",
         description="A transformers model's training step (forward with labels, backward, "
         "AdamW(fused=True)) in every variant side by side: ms/step, tokens/s, peak memory, "

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from torchgraft.cli import PROG, CliError, _Parser, parse_device, parse_dtype
+from torchgraft.cli.args import PROG, CliError, Parser, parse_device, parse_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The options of ``torchgraft demo``."""
     from .model import SIZES
 
-    parser = _Parser(
+    parser = Parser(
         prog=f"{PROG} demo",
         description="A transformers Llama's training step, stock vs torchgraft.adopt + enable: "
         "the adoption table, the difference to stock, the step time, the top ops.",
