@@ -73,6 +73,7 @@ class ModelBenchConfig:
     seed: int = 0
     lr: float = 3e-4
     compile_backend: str = "inductor"
+    compile_mode: str | None = None
     profile: bool = True
 
 
@@ -261,7 +262,9 @@ class _Run:
         self.on_cuda = config.device.type == "cuda"
         self.size = model_zoo.SIZES[config.size]
         self.model_config = model_zoo.build_config(self.size, model_zoo.FAMILIES[config.family])
-        self.setting = Setting(config.device, config.family, config.compile_backend)
+        self.setting = Setting(
+            config.device, config.family, config.compile_backend, config.compile_mode
+        )
         self.batches = model_zoo.make_batches(
             self.size, min(config.loss_steps, 4), config.device, config.seed + 1
         )
@@ -550,7 +553,7 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
     ):
         if value < 1:
             raise ModelBenchError(f"{option} must be at least 1")
-    setting = Setting(config.device, config.family, config.compile_backend)
+    setting = Setting(config.device, config.family, config.compile_backend, config.compile_mode)
     chosen, skipped = select_variants(config.variants, setting)
     size = model_zoo.SIZES[config.size]
     total = len(chosen) * (config.rounds + 2)

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend (default inductor)"
     )
+    parser.add_argument(
+        "--compile-mode",
+        help="torch.compile mode, e.g. max-autotune-no-cudagraphs or reduce-overhead "
+        "(default: torch's default)",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the per-op profile")
     parser.add_argument(
         "--out", default=os.path.join("bench", "results"), help="directory (default bench/results)"
@@ -105,6 +110,7 @@ def main(argv: Sequence[str]) -> int:
         loss_steps=args.loss_steps,
         seed=args.seed,
         compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode,
         profile=not args.no_profile,
     )
     out_dir = Path(args.out)

@@ -40,6 +40,8 @@ class Setting:
     device: torch.device
     family: str
     compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    """torch.compile's ``mode`` (None: its default)."""
 
 
 @dataclass
@@ -167,8 +169,15 @@ def _prepare_torchgraft(model: torch.nn.Module, _setting: Setting) -> Prepared:
 
 
 def _compile(model: torch.nn.Module, setting: Setting) -> tuple[Callable[..., Any], dict[str, Any]]:
-    compiled = torch.compile(model, backend=setting.compile_backend)
-    return compiled, {"compile_backend": setting.compile_backend}
+    compiled = torch.compile(model, backend=setting.compile_backend, mode=setting.compile_mode)
+    return compiled, _compile_notes(setting)
+
+
+def _compile_notes(setting: Setting) -> dict[str, Any]:
+    notes: dict[str, Any] = {"compile_backend": setting.compile_backend}
+    if setting.compile_mode is not None:
+        notes["compile_mode"] = setting.compile_mode
+    return notes
 
 
 def _prepare_compile(model: torch.nn.Module, setting: Setting) -> Prepared:
@@ -187,8 +196,8 @@ def _compile_layers(model: torch.nn.Module, setting: Setting) -> dict[str, Any]:
     graph reused by every layer), the embedding, final norm and head eager."""
     layers = model.get_decoder().layers
     for layer in layers:
-        layer.compile(backend=setting.compile_backend)
-    return {"compile_backend": setting.compile_backend, "compiled_layers": len(layers)}
+        layer.compile(backend=setting.compile_backend, mode=setting.compile_mode)
+    return _compile_notes(setting) | {"compiled_layers": len(layers)}
 
 
 def _prepare_compile_regional(model: torch.nn.Module, setting: Setting) -> Prepared:
