@@ -510,3 +510,40 @@ def test_profiling_a_step_prints_nothing_of_the_profilers_own():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "aten::mm"
     assert result.stderr == "", result.stderr
+
+
+def test_regional_compile_variants_compile_each_decoder_layer_and_leave_the_process_as_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A first build fills transformers' lazy class attributes; then nothing may change.
+    config = model_zoo.build_config(TINY, model_zoo.FAMILIES["llama"])
+    model_zoo.build_model(config, CPU, torch.float32, 0)
+    watched = patches.Snapshot(
+        patches.namespaces_for([*model_variants.WATCHED_MODULES, modeling_llama.__name__])
+    )
+    names = ["compile-regional", "compile-regional+torchgraft"]
+    args = ["bench", "model", "--size", "tiny", "--device", "cpu", *FAST, "--no-profile"]
+    args += ["--variants", ",".join(names), "--compile-backend", "aot_eager", "--no-plot"]
+    status = cli.main([*args, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "checks: all passed" in out  # dynamo's own module globals are not counted as patches
+    data = json.loads((tmp_path / "model_tiny_llama_cpu_fp32.json").read_text())
+    layers = config.num_hidden_layers
+    _stock, regional, adopted = data["variants"]
+    assert [regional["name"], adopted["name"]] == names
+    for v in (regional, adopted):
+        assert v["error"] is None and v["state_problems"] == []
+        assert v["notes"]["compiled_layers"] == layers
+        assert v["notes"]["compile_backend"] == "aot_eager" and "compile_mode" not in v["notes"]
+        assert v["max_abs_loss_diff_vs_stock"] < 1e-4
+    assert regional["grafts_per_step"] == {} and adopted["grafts_per_step"]
+    assert watched.changes() == []
+
+
+def test_the_compile_mode_is_recorded_with_the_backend() -> None:
+    setting = model_variants.Setting(CPU, "llama", "inductor", "reduce-overhead")
+    assert model_variants._compile_notes(setting) == {
+        "compile_backend": "inductor",
+        "compile_mode": "reduce-overhead",
+    }
