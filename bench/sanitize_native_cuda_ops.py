@@ -184,7 +184,8 @@ def main() -> int:
     torchgraft.enable()
     for part in (softmax_and_layer_norm, adam, fused_ops, losses):
         part()
-        torch.cuda.synchronize() if DEVICE.type == "cuda" else None
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
         print(f"{part.__name__}: done", flush=True)
     stats = {k: v["calls"] for k, v in torchgraft.stats().items() if v["calls"]}
     print("graft calls:", stats)

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from torchgraft.cli.args import PROG, CliError, Parser, parse_device, parse_dtype
+from torchgraft.cli.args import PROG, CliError, Parser, parse_device, parse_dtype, parse_list
 
 if TYPE_CHECKING:
     import torch
@@ -79,11 +79,8 @@ def _block(
 
     from .block import run_demo
 
-    routes = None
-    if routes_text is not None:
-        routes = [r.strip() for r in routes_text.split(",") if r.strip()]
-        if not routes:
-            raise CliError(f"empty list {routes_text!r}")
+    routes = parse_list(routes_text)
+    if routes is not None:
         unknown = [r for r in routes if r not in control.ROUTES]
         if unknown:
             raise CliError(f"unknown route {unknown[0]!r}; known: {', '.join(control.ROUTES)}")
