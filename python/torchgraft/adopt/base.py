@@ -4,15 +4,17 @@ context of one :func:`torchgraft.adopt` call."""
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from torch import nn
 
+from torchgraft.adopt import slots
 from torchgraft.adopt.guard import Check
 from torchgraft.adopt.probe import Case, Runner
-from torchgraft.adopt.report import KILLED
+from torchgraft.adopt.report import KILLED, SKIPPED
 
 FUNCTIONAL = "torchgraft.functional"
 """Where torchgraft's fused ops (SwiGLU, GeGLU, RoPE, cross-entropy...) live when built."""
@@ -148,3 +150,37 @@ def single_input(forward: Callable[..., object]) -> bool:
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return len(params) == 1 and params[0].kind in positional
+
+
+def global_candidate(
+    kind: str,
+    pymod: types.ModuleType,
+    name: str,
+    variant: Callable[[Callable[..., object]], Variant],
+    plain: Callable[[Callable[..., object]], str],
+) -> Candidate:
+    """The candidate for replacing the module-global function ``pymod.name`` process-wide.
+
+    ``variant(own)`` builds the replacement of ``own``; ``plain(own)`` says why ``own`` cannot
+    be replaced (empty if it can). Where another adopted model holds the replacement, this one
+    holds it too (nothing to verify); a function someone else put there is left in place."""
+    own = getattr(pymod, name)
+    c = Candidate(kind, f"{pymod.__name__}.{name}", name, pymod, name, "global")
+    held = slots.held_global(pymod, name)
+    if held is not None and own is held[1]:
+        # Another adopted model installed (and verified) it: hold it too.
+        c.variants = (replace(variant(held[0]), function=own),)
+        return c
+    if held is not None and own is not held[0]:
+        c.status = SKIPPED
+        c.reason = f"{pymod.__name__}.{name} was replaced by someone else: left in place"
+        return c
+    if held is not None:
+        own = held[0]  # the original, put back meanwhile: verify and hold again
+    why = plain(own)
+    if why:
+        c.status, c.reason = SKIPPED, why
+        return c
+    c.own = own
+    c.variants = (variant(own),)
+    return c

@@ -29,10 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchgraft.adopt import slots
-from torchgraft.adopt.base import Candidate, Context, Variant
+from torchgraft.adopt.base import Candidate, Context, Variant, global_candidate
 from torchgraft.adopt.probe import Case, random_tensor
-from torchgraft.adopt.report import SKIPPED
 
 MODULE = "transformers.masking_utils"
 FUNCTION = "_ignore_causal_mask_sdpa"
@@ -94,27 +92,20 @@ class CausalMaskAdopter:
         yield self._candidate(pymod)
 
     def _candidate(self, pymod: types.ModuleType) -> Candidate:
-        own = getattr(pymod, FUNCTION)
-        c = Candidate(self.kind, f"{MODULE}.{FUNCTION}", FUNCTION, pymod, FUNCTION, "global")
-        held = slots.held_global(pymod, FUNCTION)
-        if held is not None and own is held[1]:
-            # Another adopted model installed (and verified) it: hold it too.
-            c.variants = (Variant("is_causal under torch.compile", OP, own),)
-            return c
-        if held is not None and own is not held[0]:
-            c.status = SKIPPED
-            c.reason = f"{MODULE}.{FUNCTION} was replaced by someone else: left in place"
-            return c
-        if held is not None:
-            own = held[0]  # the original, put back meanwhile: verify and hold again
-        if not _plain_signature(own):
-            c.status, c.reason = SKIPPED, f"signature is not ({', '.join(PARAMETERS)}, ...)"
-            return c
-        c.own = own
-        c.variants = (Variant("is_causal under torch.compile", OP, _replacement(own)),)
-        c.cases = _cases
+        c = global_candidate(self.kind, pymod, FUNCTION, _variant, _not_plain)
+        c.cases = _cases if c.own is not None else None
         c.run = _run
         return c
+
+
+def _variant(own: Callable[..., bool]) -> Variant:
+    return Variant("is_causal under torch.compile", OP, _replacement(own))
+
+
+def _not_plain(own: Callable[..., object]) -> str:
+    if _plain_signature(own):
+        return ""
+    return f"signature is not ({', '.join(PARAMETERS)}, ...)"
 
 
 def _plain_signature(fn: object) -> bool:

@@ -18,6 +18,7 @@ from torchgraft.adopt.base import Adopter, Candidate, Context, Variant
 from torchgraft.adopt.causal_lm_head import CausalLMHeadAdopter
 from torchgraft.adopt.causal_lm_loss import CausalLMLossAdopter
 from torchgraft.adopt.causal_mask import CausalMaskAdopter
+from torchgraft.adopt.default_positions import DefaultPositionsAdopter
 from torchgraft.adopt.gated_mlp import GatedMLPAdopter
 from torchgraft.adopt.guard import Guard, GuardedFunction, guarded_forward
 from torchgraft.adopt.hub_layers import HubLayerReporter
@@ -38,6 +39,7 @@ ADOPTERS: tuple[Adopter, ...] = (
     GatedMLPAdopter(),
     RopeAdopter(),
     CausalMaskAdopter(),  # SDPA's is_causal under torch.compile
+    DefaultPositionsAdopter(),  # ... also where the model derives its positions
     CausalLMHeadAdopter(),  # training with labels: no logits
     CausalLMLossAdopter(),  # every other call that computes the loss
     HubLayerReporter(),  # last: reports hub-tagged layers no adopter above claimed
