@@ -97,6 +97,8 @@ class VariantResult:
     """Graft counter deltas over the loss steps."""
     grafts_per_step: dict[str, dict[str, int]] | None = None
     """Graft counter deltas over one steady-state step."""
+    graph_breaks: int | None = None
+    """Graph breaks dynamo took during the loss steps (compiling included)."""
     graphs_compiled_while_timed: int | None = None
     """Graphs dynamo compiled during the timed rounds (should be 0: a recompile means the
     compiled variant was timed partly while compiling, or fell back to eager)."""
@@ -202,7 +204,7 @@ class _Steps:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone()  # a CUDA graph (reduce-overhead) reuses its output buffers
 
 
 # ---- process state that must not leak -----------------------------------------------------------
@@ -243,6 +245,15 @@ def _dynamo_graphs() -> int:
     except ImportError:
         return 0
     return int(counters["stats"].get("unique_graphs", 0))
+
+
+def _graph_breaks() -> int:
+    """Graph breaks dynamo has taken in this process (every reason, every frame)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return sum(counters["graph_break"].values())
 
 
 def _one_line(error: BaseException) -> str:
@@ -381,7 +392,7 @@ class _Run:
         step = _Steps(live, self.batches)
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        graphs = _dynamo_graphs()
+        graphs, breaks = _dynamo_graphs(), _graph_breaks()
         with self._turn(live):
             before = graft_counters()
             losses = torch.stack([step() for _ in range(config.loss_steps)])
@@ -393,6 +404,7 @@ class _Run:
                 result.resident_gib = torch.cuda.memory_allocated(self.device) / 2**30
         if graphs != _dynamo_graphs():
             result.notes["graphs_compiled_in_loss_steps"] = _dynamo_graphs() - graphs
+        result.graph_breaks = _graph_breaks() - breaks
 
     # -- phase 2: alternating rounds --
 
@@ -524,6 +536,10 @@ def _compare(results: list[VariantResult]) -> dict[str, Any]:
         "state_restored_after_every_variant": all(not r.state_problems for r in results),
         "losses_finite": all(all(x == x and abs(x) != float("inf") for x in r.losses) for r in ran),
         "no_recompiles_while_timed": all(not r.graphs_compiled_while_timed for r in ran),
+        # fullgraph=True must hold on an adopted model: no torchgraft op or layer breaks a graph.
+        "no_graph_breaks_in_compiled_torchgraft": all(
+            not r.graph_breaks for r in ran if variants[r.name].grafts and "compile" in r.name
+        ),
     }
     again = next((r for r in ran if r.name == "stock-again"), None)
     checks["stock_again_max_abs_loss_diff"] = (

@@ -128,6 +128,8 @@ def _notes(report: ModelReport) -> list[str]:
                 f"{r.name}: module-global patches, applied around its own steps only: "
                 + ", ".join(r.notes["global_patches"])
             )
+        if r.graph_breaks:
+            lines.append(f"{r.name}: {r.graph_breaks} graph break(s) while compiling")
         if r.graphs_compiled_while_timed:
             lines.append(f"{r.name}: {r.graphs_compiled_while_timed} graph(s) compiled while timed")
     for skip in report.skipped:
