@@ -4,7 +4,6 @@
 
 use std::ffi::{c_char, c_int};
 
-use crate::ops::rms_norm;
 use crate::runtime::config::{DeviceLimits, KernelAttrs};
 use crate::runtime::device;
 use crate::runtime::driver::{self, Api, ContextGuard, CuDevicePtr, CuEvent, CuStream};
@@ -73,11 +72,10 @@ pub struct LoadedKernel {
     pub local_bytes: u32,
 }
 
-/// RMSNorm's kernels (the first of the kernel table) as `device` loaded them (loads them if
-/// needed).
+/// Every kernel of the table, as `device` loaded them (loads them if needed).
 pub fn loaded_kernels(device: i32) -> Result<Vec<LoadedKernel>, CudaError> {
     let st = device::state(device)?;
-    Ok((0..rms_norm::NUM_KERNELS)
+    Ok((0..st.attrs.len())
         .map(|i| LoadedKernel {
             name: kernels::name(i),
             attrs: st.attrs[i],

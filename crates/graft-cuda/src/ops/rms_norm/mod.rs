@@ -23,7 +23,9 @@ mod kernels;
 mod params;
 
 pub use args::{RmsNormBackward, RmsNormForward, Weight, WeightMode};
-pub(crate) use kernels::{kernel_table, NUM_KERNELS};
+pub(crate) use kernels::kernel_table;
+#[cfg(test)]
+pub(crate) use kernels::NUM_KERNELS;
 use kernels::{Body, Dir, WeightKind, FINALIZE_THREADS, LOOP_THREADS};
 use params::{BwdParams, FinalizeParams, FwdParams};
 
