@@ -147,7 +147,7 @@ def test_torch_compile_of_the_adopted_model():
     ids, labels = batch()
     ref = train_step(model, ids, labels)
     torchgraft.adopt(model)
-    compiled = torch.compile(model, backend="eager")  # aot_eager: tests/test_adopt.py
+    compiled = torch.compile(model, backend="eager")  # aot_eager: tests/adopt/test_adopt.py
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step = train_step(compiled, ids, labels)

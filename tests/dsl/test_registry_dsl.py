@@ -19,7 +19,7 @@ from torchgraft.dsl._runtime import DSLRuntime, find_module
 pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
 DSL_MODULES = {"triton": "triton", "cutedsl": "cutlass", "helion": "helion", "cutile": "cuda.tile"}
-PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 
 
 def ref_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torchgraft.registry import outputs
 
 pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ref_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

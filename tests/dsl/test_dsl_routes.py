@@ -30,7 +30,7 @@ from torchgraft.grafts.rms_norm import dsl_impl
 
 pytestmark = [pytest.mark.default_torch, pytest.mark.usefixtures("clean_overrides")]
 
-PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 
 
 # ---- helion: which helion fits which torch ---------------------------------------------------
