@@ -222,7 +222,7 @@ def fake_fa4(fake_root):
     write_module(fake_root, "flash_attn", "")
     write_module(fake_root, "flash_attn.cute", "")
     shutil.copy(
-        Path(__file__).with_name("fake_fa4_interface.py"),
+        Path(__file__).resolve().parents[2] / "fake_fa4_interface.py",
         fake_root / "flash_attn" / "cute" / "interface.py",
     )
     clear_caches()
@@ -377,7 +377,7 @@ def test_the_benchmark_writes_rows_the_conds_read(tmp_path, monkeypatch):
     # bench/attention_fa4.py turns timings into crossover rows; the committed table is its output.
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "attention_fa4.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "attention_fa4.py"
     spec = importlib.util.spec_from_file_location("attention_fa4_bench", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up

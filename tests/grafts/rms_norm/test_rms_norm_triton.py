@@ -3,7 +3,7 @@ reference; and the aten graft's impls, conds and registration wiring.
 
 Without a GPU, tests/conftest.py turns on Triton's interpreter (before triton is imported).
 On a GPU machine the kernel tests here need TRITON_INTERPRET=1 set by the caller; without it
-they skip and tests/test_rms_norm_triton_cuda.py covers the kernels on the GPU.
+they skip and tests/grafts/rms_norm/test_rms_norm_triton_cuda.py covers the kernels on the GPU.
 """
 
 import os
