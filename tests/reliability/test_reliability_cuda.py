@@ -101,7 +101,7 @@ def test_layouts_match_the_meta_functions_on_cuda(dtype):
 
 def test_sanitizer_driver_passes():
     # The script the compute-sanitizer runs use (bench/sanitize_native_cuda.py), run plainly.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
         import sanitize_native_cuda
     finally:
