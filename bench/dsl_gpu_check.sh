@@ -60,7 +60,8 @@ python3 -c "import flash_attn.cute.interface, quack.rmsnorm, helion; print('impo
 if wanted tests; then
     stage "CUDA tests of the DSL routes"
     timeout $(( $(left) > 420 ? 280 : $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider \
-        --junitxml="$OUT/tests.xml" tests/test_attention_fa4_cuda.py tests/test_rms_norm_dsl_cuda.py
+        --junitxml="$OUT/tests.xml" tests/grafts/attention/test_attention_fa4_cuda.py \
+        tests/grafts/rms_norm/test_rms_norm_dsl_cuda.py
     echo "pytest exit status $?"
 fi
 

@@ -338,7 +338,7 @@ void loop_cases(bool backward, const Pair& p) {
 // The bulk kernels with clusters of one block, the emulator's: the persistent walk over rows
 // (grids smaller and larger than the rows), the two buffers and the copies into them, y by
 // the threads' stores or (bulk1s) by bulk copy, rows of special values. The exchange between
-// the blocks of a cluster runs on a GPU only (tests/test_native_softmax_cuda.py).
+// the blocks of a cluster runs on a GPU only (tests/grafts/softmax/test_native_softmax_cuda.py).
 extern "C" void graft_softmax_fwd_bulk1_f16(const Params p) {
   graft_softmax::fwd_bulk<__half, 1, false>(p);
 }

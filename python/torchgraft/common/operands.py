@@ -7,8 +7,8 @@ fake function runs instead, for ``torch.compile``'s fake tensors and for any cal
 operand (also one mixed with CPU tensors, which must raise, not return an uninitialized CPU
 tensor). :class:`Operands` is the same declaration in Python, with the same rules, order and
 messages, so that each fake function states the table of its Rust entry.
-``tests/test_operand_properties.py`` holds the two in step: drawn calls raise the same error on
-meta tensors as on CPU tensors.
+``tests/reliability/test_operand_properties.py`` holds the two in step: drawn calls raise the same
+error on meta tensors as on CPU tensors.
 
 Of memory overlap, only what the sizes and strides tell is checked (a written operand whose
 elements share memory: a stride of 0); fake tensors have no memory to share with each other.

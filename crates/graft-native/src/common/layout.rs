@@ -11,8 +11,8 @@
 //! `to`, `contiguous` and `expand` run their C++ ones. Asking them at run time would run Python
 //! (and import torch._dynamo) on the native call path, so this module replays their rules: c10's
 //! contiguity and channels-last tests, `to_will_alias`, `infer_dense_strides`, `inferExpandGeometry`,
-//! and prims' stride sort. tests/test_reliability_layouts.py holds it to torch's meta functions
-//! over hundreds of random layouts.
+//! and prims' stride sort. tests/reliability/test_reliability_layouts.py holds it to torch's meta
+//! functions over hundreds of random layouts.
 
 use graft_abi::contiguous_strides;
 
