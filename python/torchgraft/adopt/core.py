@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 import warnings
@@ -164,16 +165,32 @@ def _settle(model: nn.Module, c: Candidate, ctx: Context) -> AdoptionRow:
         return _install(model, c, c.variants[0], None, ctx)
     chosen, verdict = _choose(c, ctx)
     if chosen is None:
+        reason = verdict.reason
+        if _sharded(model):
+            reason = f"{SHARDED}; {reason}"
         return AdoptionRow(
             c.path,
             c.layer,
             c.kind,
             SKIPPED,
-            reason=verdict.reason,
+            reason=reason,
             max_err=None if verdict.max_err == float("inf") else verdict.max_err,
         )
     ctx.preferred[c.preference_key] = chosen.name
     return _install(model, c, chosen, verdict.max_err, ctx)
+
+
+SHARDED = (
+    "the model's parameters are sharded (FSDP2's fully_shard): the probe cannot run its layers; "
+    "call adopt() before fully_shard"
+)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` sharded some of ``model``'s parameters (DTensors): a probe calls
+    a layer's forward without the hooks that gather them, so it fails where it reads them."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def _already(model: nn.Module, c: Candidate) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class Guard:
         """Why the replacement must not serve this call (empty: it may)."""
         if self.cls is not None:
             cls = type(owner)
-            if cls is not self.cls:
+            if cls is not self.cls and not sharded_subclass(cls, self.cls):
                 now, was = _names(cls, self.cls)
                 return f"its class is now {now}, not {was}" + (
                     " (parametrized)" if getattr(owner, "parametrizations", None) else ""
@@ -149,6 +150,18 @@ class GuardedFunction:
 
     def __deepcopy__(self, memo: dict[int, object]) -> GuardedFunction:
         return self.__copy__()
+
+
+@functools.cache
+def sharded_subclass(cls: type, verified: type) -> bool:
+    """Whether ``cls`` is the class FSDP2's ``fully_shard`` gives a module of class ``verified``
+    (``FSDP<name>``: FSDPModule's methods, ``verified``'s forward and everything else)."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return (
+        fsdp_module is not None
+        and cls.__bases__ == (fsdp_module, verified)
+        and cls.forward is getattr(verified, "forward", None)
+    )
 
 
 def global_hooks() -> str:
