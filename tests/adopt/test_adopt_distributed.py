@@ -1,7 +1,8 @@
 """adopt() under torch.distributed on the CPU (gloo, 2 processes), on a tiny transformers Llama:
 adopted before FSDP2's ``fully_shard`` (every layer adopted, no fallback), after it (the layers
 whose probe needs the sharded parameters say why they are skipped), with transformers' gradient
-checkpointing under FSDP2, and under DDP with torch's ``checkpoint_wrapper``. Each trains like
+checkpointing or each decoder layer compiled (``fullgraph=True``) under FSDP2, and under DDP with
+torch's ``checkpoint_wrapper``. Each trains like
 the same model without torchgraft, in the same parallel setting, from the same seed."""
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ SCENARIOS = (
     "fsdp2, adopt after",
     "fsdp2 + gradient checkpointing",
     "fsdp2 + gradient checkpointing, adopt before",
+    "fsdp2 + regional compile",
+    "fsdp2 + regional compile, adopt before",
     "ddp + checkpoint_wrapper",
     "ddp + checkpoint_wrapper, adopt before",
 )
@@ -55,6 +58,8 @@ def _parallel(model: torch.nn.Module, scenario: str) -> torch.nn.Module:
         if "gradient checkpointing" in scenario:
             model.gradient_checkpointing_enable()
         for layer in model.model.layers:
+            if "regional compile" in scenario:  # torchtitan's order: compile, then shard
+                layer.compile(backend="aot_eager", fullgraph=True)
             fully_shard(layer)
         fully_shard(model)
         return model
@@ -153,6 +158,7 @@ def _assert_trains_like(run: dict[str, Any], stock: dict[str, Any]) -> None:
     [
         ("fsdp2, adopt before", "fsdp2"),
         ("fsdp2 + gradient checkpointing, adopt before", "fsdp2 + gradient checkpointing"),
+        ("fsdp2 + regional compile, adopt before", "fsdp2 + regional compile"),
         ("ddp + checkpoint_wrapper, adopt before", "ddp + checkpoint_wrapper"),
     ],
 )
