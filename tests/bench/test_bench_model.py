@@ -100,6 +100,8 @@ def test_tiny_run_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert data["versions"]["torch"] == torch.__version__ and data["versions"]["transformers"]
     assert data["command"].startswith("torchgraft bench model ")
     assert data["idle_variants"] == "in memory (CPU)" and data["parameters"] > 0
+    assert data["flops_per_step"] == model_zoo.flops_per_step(TINY, data["parameters"])
+    assert data["peak_tflops"] is None  # no MFU on the CPU
     # stock runs although not named; the variants not asked for are listed with the reason.
     assert [v["name"] for v in data["variants"]] == names
     skipped = {s["name"]: s["reason"] for s in data["skipped"]}
@@ -114,6 +116,7 @@ def test_tiny_run_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert math.isclose(v["tokens_per_s"], TINY.tokens / (v["ms_per_step"] / 1e3))
         assert math.isclose(v["speedup_vs_stock"], stock["ms_per_step"] / v["ms_per_step"])
         assert v["peak_gib"] is None and v["resident_gib"] is None  # not measured on the CPU
+        assert v["mfu"] is None
         assert len(v["losses"]) == 50 and all(math.isfinite(x) for x in v["losses"])
         diffs = [abs(a - b) for a, b in zip(v["losses"], stock["losses"], strict=True)]
         assert v["max_abs_loss_diff_vs_stock"] == max(diffs)
@@ -405,10 +408,30 @@ def test_sizes_have_the_shapes_of_the_issue():
             assert built.config.tie_word_embeddings is model_zoo.SIZES[size].tied
             counts[size, family] = sum(p.numel() for p in built.parameters())
     assert counts["1b", "llama"] == 1_235_814_400
+    # The FLOPs the issue counts for the 1b step (67.3 TFLOP, causal attention included).
+    assert (
+        abs(model_zoo.flops_per_step(model_zoo.SIZES["1b"], counts["1b", "llama"]) - 67.34e12)
+        < 0.01e12
+    )
     # small: embeddings and untied head 2 x 32000 x 2048, 8 layers of attention (q, o: 2048^2;
     # k, v: 2048 x 1024) and MLP (3 x 2048 x 5632), 17 norms of 2048.
     layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 5632 + 2 * 2048
     assert counts["small", "llama"] == 2 * 32000 * 2048 + 8 * layer + 2048
+
+
+def test_8b_is_llama_3_1_8b():
+    """``8b`` has Llama-3.1-8B's published parameter count (8,030,261,248), untied head."""
+    size = model_zoo.SIZES["8b"]
+    config = model_zoo.build_config(size, model_zoo.FAMILIES["llama"])
+    built = model_zoo.build_model(config, torch.device("meta"), torch.bfloat16, 0)
+    assert sum(p.numel() for p in built.parameters()) == 8_030_261_248
+    assert not built.config.tie_word_embeddings
+
+
+def test_mfu_peaks_by_gpu_name():
+    assert model_zoo.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert model_zoo.peak_bf16_tflops("NVIDIA H200") == 989.0
+    assert model_zoo.peak_bf16_tflops("NVIDIA A10G") is None
 
 
 def test_patches_record_undo_and_apply():

@@ -87,6 +87,8 @@ class VariantResult:
     ms_per_step: float | None = None
     round_ms: list[float] = field(default_factory=list)
     tokens_per_s: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilization: the step's FLOPs per second over the GPU's dense bf16 peak."""
     speedup_vs_stock: float | None = None
     peak_gib: float | None = None
     resident_gib: float | None = None
@@ -125,6 +127,10 @@ class ModelReport:
     loss_steps: int
     tokens_per_step: int
     parameters: int
+    flops_per_step: float
+    """Training FLOPs of one step (:func:`model_zoo.flops_per_step`)."""
+    peak_tflops: float | None
+    """The GPU's dense bf16 peak used for MFU (None: no MFU)."""
     timing: str
     versions: dict[str, str | None]
     created: str
@@ -237,6 +243,13 @@ class _Baseline:
         if _dispatcher_state() != self.dispatcher:
             found.append("torchgraft's grafts or overrides were left changed")
         return found
+
+
+def _peak_tflops(config: ModelBenchConfig) -> float | None:
+    """The dense bf16 peak MFU is measured against: CUDA, bf16, a GPU with a known peak."""
+    if config.device.type != "cuda" or config.dtype != torch.bfloat16:
+        return None
+    return model_zoo.peak_bf16_tflops(torch.cuda.get_device_name(config.device))
 
 
 def _dynamo_graphs() -> int:
@@ -601,6 +614,8 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
         loss_steps=config.loss_steps,
         tokens_per_step=size.tokens,
         parameters=state.parameters,
+        flops_per_step=model_zoo.flops_per_step(size, state.parameters),
+        peak_tflops=_peak_tflops(config),
         timing=(
             f"median over {config.rounds} alternating rounds of {config.steps} steps back to "
             f"back ({config.warmup} untimed steps first), "
@@ -613,6 +628,10 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
         skipped=skipped,
     )
     report.checks = _compare(state.results)
+    for r in state.results:
+        if report.peak_tflops is not None and r.ms_per_step:
+            achieved = report.flops_per_step / (r.ms_per_step / 1e3)
+            r.mfu = achieved / (report.peak_tflops * 1e12)
     if config.device.type != "cuda":
         report.idle_variants = "in memory (CPU)"
     elif state.keep_resident:

@@ -27,6 +27,7 @@ _COLUMNS = (
     "ms/step",
     "vs stock",
     "tokens/s",
+    "MFU",
     "peak GiB",
     "max |dloss|",
     "grafts/step",
@@ -47,12 +48,13 @@ def _graft_calls(grafts: dict[str, dict[str, int]] | None) -> str:
 
 def _row(report: ModelReport, r: VariantResult) -> list[str]:
     if r.error is not None:
-        return [r.name, "error", "", "", "", "", ""]
+        return [r.name, "error", "", "", "", "", "", ""]
     return [
         r.name,
         format_ms(r.ms_per_step) if r.ms_per_step is not None else "-",
         f"{r.speedup_vs_stock:.2f}x" if r.speedup_vs_stock is not None else "-",
         f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
+        f"{100 * r.mfu:.1f}%" if r.mfu is not None else "-",
         f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-",
         f"{r.max_abs_loss_diff_vs_stock:.2e}" if r.max_abs_loss_diff_vs_stock is not None else "-",
         _graft_calls(r.grafts_per_step),
@@ -146,7 +148,9 @@ def _notes(report: ModelReport) -> list[str]:
 
 _LEGEND = (
     "ms/step: median over {rounds} alternating rounds of {steps} steps; vs stock: stock's "
-    "time over the variant's; peak GiB: torch.cuda.max_memory_allocated over the loss steps "
+    "time over the variant's; MFU: the step's FLOPs (model_zoo.flops_per_step) per second over "
+    "the GPU's dense bf16 peak (CUDA bf16 on a GPU with a known peak only); peak GiB: "
+    "torch.cuda.max_memory_allocated over the loss steps "
     "(not measured on the CPU); max |dloss|: largest difference to stock's loss over "
     "{loss_steps} steps from the same seed; grafts/step: torchgraft graft calls in one step."
 )

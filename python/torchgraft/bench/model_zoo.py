@@ -69,6 +69,21 @@ SIZES: dict[str, Size] = {
         Size("tiny", 64, 2, 4, 2, 176, 256, False, 2, 32, 3, 3, "CPU smoke test (CI): seconds"),
         Size("small", 2048, 8, 16, 8, 5632, 32000, False, 4, 2048, 5, 10, "0.5B parameters"),
         Size("1b", 2048, 16, 32, 8, 8192, 128256, True, 2, 4096, 5, 10, "the Llama-3.2-1B shape"),
+        Size(
+            "8b",
+            4096,
+            32,
+            32,
+            8,
+            14336,
+            128256,
+            False,
+            1,
+            4096,
+            3,
+            5,
+            "the Llama-3.1-8B shape (sharded: bench/fsdp2_train_step.py)",
+        ),
     )
 }
 """Sizes by name (``--size``)."""
@@ -99,6 +114,27 @@ FAMILIES: dict[str, Family] = {
     )
 }
 """Families by name (``--family``); each name is also transformers' ``model_type``."""
+
+
+def flops_per_step(size: Size, parameters: int) -> float:
+    """Training FLOPs of one step (forward and backward): ``6 N`` per token for the matmuls of
+    every parameter the tokens meet, the input embedding excluded unless tied to the head (a
+    lookup, not a matmul), plus causal attention's score and value matmuls, half of PaLM's
+    ``12 L d S`` per token. The 1b step: 67.3 TFLOP."""
+    embedding = 0 if size.tied else size.vocab * size.hidden
+    matmuls = 6 * (parameters - embedding) * size.tokens
+    attention = 12 * size.layers * size.hidden * size.seq * size.tokens / 2
+    return matmuls + attention
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
+"""Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by the GPU name's model, for MFU."""
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU named ``device_name`` (``torch.cuda.get_device_name``), or
+    None for a GPU not in :data:`PEAK_BF16_TFLOPS`."""
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
 
 
 def transformers_missing() -> str | None:
