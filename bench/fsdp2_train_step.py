@@ -1,23 +1,30 @@
-"""The yardstick's training step under FSDP2 across GPUs: stock vs torchgraft (issue 17).
+"""The yardstick's training step under FSDP2 across GPUs, in the variants of ``torchgraft bench
+model`` (issues 17 and 35).
 
     torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 1b --out bench/results
+    torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 8b \
+        --variants stock,liger-flce,torchgraft,compile-regional+torchgraft --reduce-dtype fp32
+    torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 8b --seq 8192 --checkpointing
 
 Every rank builds the same transformers model from a config (``torchgraft.bench.model_zoo``,
-random weights from one seed), shards each decoder layer and then the root with
-``fully_shard``, and trains with ``AdamW(fused=True)`` on its own batches. The variants run one
-after the other in the same processes: ``stock`` (transformers as shipped, torchgraft off), then
-``torchgraft`` (``torchgraft.enable()`` in every process, ``torchgraft.adopt(model)`` before
-``fully_shard``). Each trains ``--steps`` steps from the same weights and data; the first
-``--warmup`` are not timed. Reported: median ms per step (wall clock around the whole step,
-synchronized), tokens/s per GPU, peak memory per GPU, the loss of every step (mean over ranks)
-and its largest difference from stock's, and the grafts that ran on each rank.
+random weights from one seed), applies the variant (``model_variants.VARIANTS``: torchgraft's
+``adopt``, Liger's patches, per-layer ``compile``; all before sharding, in torchtitan's order),
+shards each decoder layer and then the root with ``fully_shard`` (``--reduce-dtype fp32``: FSDP2's
+``MixedPrecisionPolicy`` reduce-scatters gradients in float32), and trains with
+``AdamW(fused=True)`` on its own batches. The variants run one after the other in the same
+processes, each ``--steps`` steps from the same weights and data; the first ``--warmup`` are not
+timed. Reported: median ms per step (wall clock around the whole step, synchronized), tokens/s
+per GPU, MFU (``model_zoo.flops_per_step`` over the GPU's dense bf16 peak), peak memory per GPU,
+the loss of every step (mean over ranks) and its largest difference from stock's, and the grafts
+that ran on each rank.
 
-On a machine without GPUs it runs on gloo, in float32 (``--size tiny``): a smoke test.
+On a machine without GPUs it runs on gloo, in float32 (``--size tiny``): a smoke test (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -30,26 +37,63 @@ import torch
 import torch.distributed as dist
 
 import torchgraft
+from torchgraft.bench import model_zoo
+from torchgraft.bench.model_variants import VARIANTS, Setting
 from torchgraft.bench.model_zoo import FAMILIES, SIZES, build_config, build_model, make_batches
+
+DEFAULT_VARIANTS = "stock,torchgraft"
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="1b")
     p.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    p.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default {DEFAULT_VARIANTS}; "
+        "stock always runs, first)",
+    )
+    p.add_argument(
+        "--seq", type=int, default=None, help="tokens per sequence (default: the size's)"
+    )
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing (transformers' gradient_checkpointing_enable)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("param", "fp32"),
+        default="param",
+        help="FSDP2's gradient reduce-scatter dtype (default: the parameters')",
+    )
+    p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--steps", type=int, default=20, help="steps per variant (default 20)")
     p.add_argument("--warmup", type=int, default=4, help="untimed first steps (default 4)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON and Markdown")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    args.variant_names = ["stock", *[n for n in dict.fromkeys(names) if n != "stock"]]
+    return args
 
 
-def _shard(model: torch.nn.Module) -> None:
-    from torch.distributed.fsdp import fully_shard
+def _size(args: argparse.Namespace) -> model_zoo.Size:
+    size = SIZES[args.size]
+    return dataclasses.replace(size, seq=args.seq) if args.seq else size
 
+
+def _shard(model: torch.nn.Module, reduce_fp32: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_fp32 else None)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def _sync(device: torch.device) -> None:
@@ -57,19 +101,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train(variant: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    size, family = SIZES[args.size], FAMILIES[args.family]
+def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    variant = VARIANTS[name]
+    setting = Setting(device=device, family=args.family, compile_backend=args.compile_backend)
+    why = variant.unavailable(setting)
+    if why is not None:
+        return {"error": f"not run: {why}"}
+    size = _size(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(build_config(size, family), device, dtype, seed=0)
-    adopted: dict[str, int] | None = None
-    if variant == "torchgraft":
-        torchgraft.enable()
-        adopted = {}
-        for row in torchgraft.adopt(model).adopted:
-            key = f"{row.kind}: {row.layer} ({row.route})"
-            adopted[key] = adopted.get(key, 0) + 1
-        torchgraft.reset_stats()  # count the steps' calls, not adopt's probes
-    _shard(model)
+    model = build_model(build_config(size, FAMILIES[args.family]), device, dtype, seed=0)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
+    prepared = variant.prepare(model, setting)
+    torchgraft.reset_stats()  # count the steps' calls, not adopt's probes
+    _shard(model, args.reduce_dtype == "fp32")
     try:
         params = list(model.parameters())
         try:
@@ -81,18 +126,19 @@ def _train(variant: str, args: argparse.Namespace, device: torch.device) -> dict
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         losses, times = [], []
-        for batch in batches:
-            _sync(device)
-            start = time.perf_counter()
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean = loss.detach().float().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / dist.get_world_size())
-            _sync(device)
-            times.append(time.perf_counter() - start)
+        with prepared.active():
+            for batch in batches:
+                _sync(device)
+                start = time.perf_counter()
+                loss = prepared.call(input_ids=batch, labels=batch, use_cache=False).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                mean = loss.detach().float().clone()
+                dist.all_reduce(mean)
+                losses.append(mean.item() / dist.get_world_size())
+                _sync(device)
+                times.append(time.perf_counter() - start)
         timed = times[args.warmup :]
         ms = 1e3 * statistics.median(timed)
         result: dict[str, Any] = {
@@ -103,18 +149,17 @@ def _train(variant: str, args: argparse.Namespace, device: torch.device) -> dict
                 torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             ),
             "losses": losses,
+            "notes": prepared.notes,
         }
-        if variant == "torchgraft":
+        if variant.grafts:
             grafts = {k: v["calls"] for k, v in torchgraft.stats().items() if v["calls"]}
             everyone: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, grafts)
             result["grafts_per_rank"] = everyone
-            result["adopted"] = adopted
         return result
     finally:
-        if variant == "torchgraft":
-            torchgraft.unadopt(model)
-            torchgraft.disable()
+        prepared.undo()
+        torchgraft.disable()
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -126,26 +171,33 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# FSDP2 training step: {report['size']} {report['family']}, {report['world']} ranks",
         "",
         f"{report['device']}; torch {report['torch']}, transformers {report['transformers']}; "
-        f"{report['dtype']}, {report['steps']} steps per variant, median of the last "
-        f"{report['steps'] - report['warmup']}.",
+        f"{report['dtype']}, batch {report['batch']} x {report['seq']} tokens per rank, "
+        f"{report['steps']} steps per variant, median of the last "
+        f"{report['steps'] - report['warmup']}; activation checkpointing: "
+        f"{'on' if report['checkpointing'] else 'off'}; reduce dtype: {report['reduce_dtype']}.",
         "",
-        "| variant | ms/step | speedup | tokens/s per GPU | peak GiB per GPU | max abs dloss |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | ms/step | speedup | tokens/s per GPU | MFU | peak GiB per GPU "
+        "| max abs dloss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in report["variants"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} | | | | | |")
+            continue
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         dloss = max(abs(a - b) for a, b in zip(r["losses"], stock["losses"], strict=True))
         lines.append(
             f"| {name} | {r['ms_per_step']:.1f} | {stock['ms_per_step'] / r['ms_per_step']:.2f}x"
-            f" | {r['tokens_per_s_per_gpu']:,.0f} | {peak} | {dloss:.3g} |"
+            f" | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {peak} | {dloss:.3g} |"
         )
-    grafts = report["variants"]["torchgraft"]["grafts_per_rank"]
-    lines += ["", "Adopted layers (torchgraft.adopt before fully_shard):", ""]
-    for key, count in report["variants"]["torchgraft"]["adopted"].items():
-        lines.append(f"- {key}: {count}")
-    lines += ["", "Grafts that ran (calls per rank):", ""]
-    for key in sorted(grafts[0]):
-        lines.append(f"- `{key}`: " + ", ".join(str(g.get(key, 0)) for g in grafts))
+    for name, r in report["variants"].items():
+        if "grafts_per_rank" not in r:
+            continue
+        grafts = r["grafts_per_rank"]
+        lines += ["", f"{name}: grafts that ran (calls per rank):", ""]
+        for key in sorted(grafts[0]):
+            lines.append(f"- `{key}`: " + ", ".join(str(g.get(key, 0)) for g in grafts))
     lines.append("")
     lines.append(f"Command: `{report['command']}`")
     return "\n".join(lines) + "\n"
@@ -162,7 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     try:
-        variants = {name: _train(name, args, device) for name in ("stock", "torchgraft")}
+        variants = {name: _train(name, args, device) for name in args.variant_names}
+        size = _size(args)
+        shape = build_model(
+            build_config(size, FAMILIES[args.family]), torch.device("meta"), torch.float32, 0
+        )
+        parameters = sum(p.numel() for p in shape.parameters())
+        flops = model_zoo.flops_per_step(size, parameters)
+        peak = model_zoo.peak_bf16_tflops(torch.cuda.get_device_name(device)) if cuda else None
+        for r in variants.values():
+            if peak is not None and "ms_per_step" in r:
+                r["mfu"] = flops / (r["ms_per_step"] / 1e3) / (peak * 1e12)
         if dist.get_rank() != 0:
             return
         import transformers
@@ -177,11 +239,22 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "dtype": "bfloat16" if cuda else "float32",
+            "batch": size.batch,
+            "seq": size.seq,
+            "parameters": parameters,
+            "flops_per_step_per_rank": flops,
+            "peak_tflops": peak,
+            "checkpointing": args.checkpointing,
+            "reduce_dtype": args.reduce_dtype,
             "steps": args.steps,
             "warmup": args.warmup,
             "command": "torchrun --nproc-per-node "
             f"{dist.get_world_size()} bench/fsdp2_train_step.py --size {args.size} "
-            f"--family {args.family} --steps {args.steps} --warmup {args.warmup}",
+            f"--family {args.family} --variants {','.join(args.variant_names)} "
+            f"--steps {args.steps} --warmup {args.warmup}"
+            + (f" --seq {args.seq}" if args.seq else "")
+            + (" --checkpointing" if args.checkpointing else "")
+            + f" --reduce-dtype {args.reduce_dtype}",
             "variants": variants,
         }
         text = _markdown(report)
@@ -189,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             stem = f"fsdp2_{args.size}_{args.family}_x{dist.get_world_size()}"
+            if args.seq:
+                stem += f"_seq{args.seq}"
             (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
             (args.out / f"{stem}.md").write_text(text)
     finally:
