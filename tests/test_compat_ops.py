@@ -131,6 +131,15 @@ def _rms_norm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 TARGET = torch.randint(0, 50, (24,))
 
+
+def _routing_reference(logits: torch.Tensor) -> torch.Tensor:
+    """The renormalized top-4 routing weights, in float64 (the selection is the kernel's: equal
+    on random logits)."""
+    probs = torch.softmax(logits, dim=-1)
+    weights = torch.topk(probs, 4, dim=-1).values
+    return weights / weights.sum(-1, keepdim=True)
+
+
 FUNCTIONAL = {
     "swiglu": (tgf.swiglu, lambda g, u: F.silu(g) * u, [(24, 64), (24, 64)]),
     "geglu": (tgf.geglu, lambda g, u: F.gelu(g) * u, [(24, 64), (24, 64)]),
@@ -145,6 +154,11 @@ FUNCTIONAL = {
         lambda h, w: tgf.linear_cross_entropy(h, w, TARGET),
         lambda h, w: F.cross_entropy(F.linear(h, w), TARGET),
         [(24, 64), (50, 64)],
+    ),
+    "topk_softmax": (
+        lambda logits: tgf.topk_softmax(logits, 4, renormalize=True)[0],
+        _routing_reference,
+        [(24, 16)],
     ),
 }
 

@@ -30,8 +30,18 @@ from torchgraft.ops.rms_norm.reference import acc_dtype as _acc_dtype
 from torchgraft.ops.rms_norm.reference import rms_norm_eager
 from torchgraft.ops.rope import autograd as _rope
 from torchgraft.ops.rope.reference import rope_eager
+from torchgraft.ops.topk_softmax import autograd as _topk
+from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
 
-__all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
+__all__ = [
+    "cross_entropy",
+    "geglu",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rope",
+    "swiglu",
+    "topk_softmax",
+]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
 # The devices whose kernels run here and have an autocast state.
@@ -375,3 +385,33 @@ def _rms_norm_kernel_takes(x: Tensor, weight: Tensor | None) -> bool:
     if x.dtype not in _FLOATS or x.dim() == 0:
         return False
     return weight is None or (weight.dtype in _FLOATS and weight.shape == x.shape[-1:])
+
+
+def topk_softmax(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[Tensor, Tensor]:
+    """Mixture-of-experts routing in one pass: ``softmax(logits)`` over the experts, the ``k``
+    largest probabilities (largest first, the lower expert first among equals) and their
+    experts, divided by their sum when ``renormalize`` (transformers' ``norm_topk_prob``).
+
+    Args:
+        logits: The router's logits, ``(tokens, experts)``, a floating dtype.
+        k: Experts per token, ``1 <= k <= experts``.
+        renormalize: Make each token's ``k`` weights sum to one.
+
+    Returns:
+        ``(weights, indices)``, both ``(tokens, k)``: the weights in float32 (float64 for
+        float64 logits), as the models' ``softmax(..., dtype=torch.float)`` gives them, and the
+        experts as int64. The weights are differentiable with respect to ``logits``.
+
+    The kernel runs on the CPU (Rust); other devices, other dtypes, other shapes and an
+    out-of-range ``k`` compute the same with torch's ops (``softmax``, ``topk``), so their
+    errors are torch's.
+    """
+    takes = (
+        logits.dtype in _FLOATS
+        and logits.dim() == 2
+        and logits.device.type == "cpu"
+        and 1 <= k <= logits.shape[1]
+    )
+    if not takes:
+        return topk_softmax_reference(logits, k, renormalize)
+    return _topk.topk_softmax(logits, k, renormalize)

@@ -49,6 +49,7 @@ from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
 from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
 from torchgraft.ops.rope.reference import rope_eager
+from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
 
 pytestmark = pytest.mark.default_torch
 
@@ -508,7 +509,73 @@ RMS_NORM = [
     ),
 ]
 
-CASES = GLU + ROPE + CROSS_ENTROPY + LINEAR_CROSS_ENTROPY + RMS_NORM
+# ---------------------------------------------------------------------- MoE routing
+
+
+def _draw_topk(d: Draw) -> tuple[Any, ...]:
+    rows, experts = d.size(), d.size(lo=1, hi=9, empty=0.0)
+    shape = [rows, experts]
+    if d.chance(0.08):
+        shape = d.pick([[experts], [rows, 2, experts]])
+        d.mistake("shape")  # the op takes (tokens, experts); torch's ops take any
+    k = d.pick([1, 2, experts]) if experts > 1 else 1
+    if d.chance(0.06):
+        k = d.pick([0, experts + 1])  # k = 0: torch returns nothing, the op refuses
+        if k == 0:
+            d.mistake("shape")
+    return d.tensor(shape, d.dtype_of()), k, d.chance(0.5)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _draw_topk_backward(d: Draw) -> tuple[Any, ...]:
+    rows, experts = d.size(), d.size(lo=1, hi=9, empty=0.0)
+    values = d.values([rows, experts], d.dtype_of())  # on the CPU: the routing is read from it
+    logits = d.place(values)
+    k = d.pick([1, 2, experts]) if experts > 1 else 1
+    renormalize = d.chance(0.5)
+    with torch.no_grad():
+        real = values.real if values.is_complex() else values
+        probs = torch.softmax(real.to(torch.float64), dim=-1)
+        weights, indices = torch.topk(probs, k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+    acc = _acc(logits.dtype) if logits.is_floating_point() else torch.float32
+    weights = d.place(weights.to(d.dtype_of(acc)))
+    indices = d.place(indices)
+    grad = d.tensor(d.perturb_shape([rows, k]), d.dtype_of(acc))
+    return grad, logits, weights, indices, renormalize
+
+
+def _topk_backward_eager(
+    grad: Tensor, logits: Tensor, weights: Tensor, indices: Tensor, renormalize: bool
+) -> tuple:
+    leaf = logits.detach().requires_grad_()
+    w = torch.softmax(leaf, dim=-1, dtype=_acc(logits.dtype)).gather(-1, indices)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    if weights.dtype != w.dtype or weights.shape != w.shape:
+        raise RuntimeError("weights do not match the logits' routing")
+    return torch.autograd.grad(w, leaf, grad)
+
+
+ROUTING = [
+    Case("topk_softmax", _draw_topk, OPS.topk_softmax, topk_softmax_reference),
+    Case("topk_softmax_backward", _draw_topk_backward, OPS.topk_softmax_backward,
+         _topk_backward_eager),
+    Case(
+        "functional.topk_softmax",
+        _draw_topk,
+        lambda logits, k, renorm: tgf.topk_softmax(logits, k, renormalize=renorm),
+        topk_softmax_reference,
+        native=False,
+        refuses=frozenset(),
+    ),
+]  # fmt: skip
+
+CASES = GLU + ROPE + CROSS_ENTROPY + LINEAR_CROSS_ENTROPY + RMS_NORM + ROUTING
 
 
 def test_every_torchgraft_op_has_a_case():

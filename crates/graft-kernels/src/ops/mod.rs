@@ -11,3 +11,4 @@ pub mod layer_norm;
 pub mod rms_norm;
 pub mod rope;
 pub mod softmax;
+pub mod topk_softmax;

@@ -11,6 +11,7 @@ mod glu;
 mod linear_cross_entropy;
 mod rms_norm;
 mod rope;
+mod topk_softmax;
 
 use std::sync::Mutex;
 
@@ -28,7 +29,12 @@ struct CustomOp {
     register_cuda: fn(&mut Library) -> Result<()>,
     cpu_counters: &'static Counters,
     cuda_counters: &'static Counters,
+    /// Whether the op has a CUDA kernel (`register_cuda` registers nothing otherwise).
+    cuda: bool,
 }
+
+/// The counters of an op without a CUDA kernel (never counted: nothing is registered).
+static NO_CUDA_KERNEL: Counters = Counters::new();
 
 const OPS: &[CustomOp] = &[
     CustomOp {
@@ -38,6 +44,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::cuda::SwigluCuda>(c"swiglu"),
         cpu_counters: &glu::cpu::SWIGLU_CPU,
         cuda_counters: &glu::cuda::SWIGLU_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::swiglu_backward",
@@ -46,6 +53,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::cuda::SwigluBackwardCuda>(c"swiglu_backward"),
         cpu_counters: &glu::cpu::SWIGLU_BACKWARD_CPU,
         cuda_counters: &glu::cuda::SWIGLU_BACKWARD_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::geglu",
@@ -54,6 +62,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::cuda::GegluCuda>(c"geglu"),
         cpu_counters: &glu::cpu::GEGLU_CPU,
         cuda_counters: &glu::cuda::GEGLU_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::geglu_backward",
@@ -63,6 +72,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::cuda::GegluBackwardCuda>(c"geglu_backward"),
         cpu_counters: &glu::cpu::GEGLU_BACKWARD_CPU,
         cuda_counters: &glu::cuda::GEGLU_BACKWARD_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::swiglu_backward_",
@@ -71,6 +81,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::cuda::SwigluBackwardInPlaceCuda>(c"swiglu_backward_"),
         cpu_counters: &glu::cpu::SWIGLU_BACKWARD_INPLACE_CPU,
         cuda_counters: &glu::cuda::SWIGLU_BACKWARD_INPLACE_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::geglu_backward_",
@@ -79,6 +90,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<glu::cuda::GegluBackwardInPlaceCuda>(c"geglu_backward_"),
         cpu_counters: &glu::cpu::GEGLU_BACKWARD_INPLACE_CPU,
         cuda_counters: &glu::cuda::GEGLU_BACKWARD_INPLACE_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::rope",
@@ -87,6 +99,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<rope::cuda::RopeCuda>(c"rope"),
         cpu_counters: &rope::cpu::ROPE_CPU,
         cuda_counters: &rope::cuda::ROPE_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::rope_backward",
@@ -95,6 +108,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<rope::cuda::RopeBackwardCuda>(c"rope_backward"),
         cpu_counters: &rope::cpu::ROPE_BACKWARD_CPU,
         cuda_counters: &rope::cuda::ROPE_BACKWARD_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::cross_entropy",
@@ -103,6 +117,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<cross_entropy::cuda::CrossEntropyCuda>(c"cross_entropy"),
         cpu_counters: &cross_entropy::cpu::CROSS_ENTROPY_CPU,
         cuda_counters: &cross_entropy::cuda::CROSS_ENTROPY_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::cross_entropy_",
@@ -113,6 +128,7 @@ const OPS: &[CustomOp] = &[
         },
         cpu_counters: &cross_entropy::cpu::CROSS_ENTROPY_INPLACE_CPU,
         cuda_counters: &cross_entropy::cuda::CROSS_ENTROPY_INPLACE_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::scale_grad",
@@ -121,6 +137,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<cross_entropy::ScaleGradKernel<true>>(c"scale_grad"),
         cpu_counters: &cross_entropy::SCALE_GRAD_CPU,
         cuda_counters: &cross_entropy::SCALE_GRAD_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::scale_grad_",
@@ -133,6 +150,7 @@ const OPS: &[CustomOp] = &[
         },
         cpu_counters: &cross_entropy::SCALE_GRAD_INPLACE_CPU,
         cuda_counters: &cross_entropy::SCALE_GRAD_INPLACE_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::linear_cross_entropy",
@@ -149,6 +167,7 @@ const OPS: &[CustomOp] = &[
         },
         cpu_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_CPU,
         cuda_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::linear_cross_entropy_backward",
@@ -165,6 +184,7 @@ const OPS: &[CustomOp] = &[
         },
         cpu_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_BACKWARD_CPU,
         cuda_counters: &linear_cross_entropy::LINEAR_CROSS_ENTROPY_BACKWARD_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::rms_norm",
@@ -173,6 +193,7 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<rms_norm::cuda::RmsNormCuda>(c"rms_norm"),
         cpu_counters: &rms_norm::cpu::RMS_NORM_CPU,
         cuda_counters: &rms_norm::cuda::RMS_NORM_CUDA,
+        cuda: true,
     },
     CustomOp {
         op: "torchgraft::rms_norm_backward",
@@ -181,6 +202,27 @@ const OPS: &[CustomOp] = &[
         register_cuda: |lib| lib.register::<rms_norm::cuda::RmsNormBackwardCuda>(c"rms_norm_backward"),
         cpu_counters: &rms_norm::cpu::RMS_NORM_BACKWARD_CPU,
         cuda_counters: &rms_norm::cuda::RMS_NORM_BACKWARD_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::topk_softmax",
+        schema: c"topk_softmax(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<topk_softmax::cpu::TopkSoftmaxCpu>(c"topk_softmax"),
+        register_cuda: |_| Ok(()),
+        cpu_counters: &topk_softmax::cpu::TOPK_SOFTMAX_CPU,
+        cuda_counters: &NO_CUDA_KERNEL,
+        cuda: false,
+    },
+    CustomOp {
+        op: "torchgraft::topk_softmax_backward",
+        schema: c"topk_softmax_backward(Tensor grad_weights, Tensor logits, Tensor weights, Tensor indices, bool renormalize) -> Tensor",
+        register_cpu: |lib| {
+            lib.register::<topk_softmax::cpu::TopkSoftmaxBackwardCpu>(c"topk_softmax_backward")
+        },
+        register_cuda: |_| Ok(()),
+        cpu_counters: &topk_softmax::cpu::TOPK_SOFTMAX_BACKWARD_CPU,
+        cuda_counters: &NO_CUDA_KERNEL,
+        cuda: false,
     },
 ];
 
@@ -231,7 +273,7 @@ pub fn kernels() -> Vec<GraftInfo> {
     for op in OPS {
         for (key, counters, active) in [
             ("CPU", op.cpu_counters, any),
-            ("CUDA", op.cuda_counters, cuda),
+            ("CUDA", op.cuda_counters, cuda && op.cuda),
         ] {
             let (calls, fallbacks) = counters.read();
             out.push(GraftInfo {
