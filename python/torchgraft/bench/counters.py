@@ -1,4 +1,5 @@
-"""Graft counters from every route, as one dict: which grafts ran, and how often."""
+"""Counters a benchmark reads: graft calls from every route (which grafts ran, how often), and
+dynamo's graphs and graph breaks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import ModuleType
 
 import torchgraft
 
-__all__ = ["fired", "graft_counters"]
+__all__ = ["dynamo_graphs", "fired", "graft_counters", "graph_breaks"]
 
 
 def _registry() -> ModuleType:  # looked up at each call: tests swap the module in sys.modules
@@ -39,3 +40,21 @@ def fired(
         if any(delta.values()):
             deltas[key] = delta
     return deltas
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def graph_breaks() -> int:
+    """Graph breaks dynamo has taken in this process (every reason, every frame)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return sum(counters["graph_break"].values())

@@ -41,7 +41,7 @@ import torchgraft
 from torchgraft import native
 
 from . import model_zoo, patches, timing
-from .counters import fired, graft_counters
+from .counters import dynamo_graphs, fired, graft_counters, graph_breaks
 from .harness import describe_device, versions
 from .model_variants import VARIANTS, Prepared, Setting, Variant, watched_namespaces
 from .op_profile import profile_step
@@ -252,23 +252,6 @@ def _peak_tflops(config: ModelBenchConfig) -> float | None:
     return model_zoo.peak_bf16_tflops(torch.cuda.get_device_name(config.device))
 
 
-def _dynamo_graphs() -> int:
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
-    return int(counters["stats"].get("unique_graphs", 0))
-
-
-def _graph_breaks() -> int:
-    """Graph breaks dynamo has taken in this process (every reason, every frame)."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
-    return sum(counters["graph_break"].values())
-
-
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".strip()
@@ -405,7 +388,7 @@ class _Run:
         step = _Steps(live, self.batches)
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        graphs, breaks = _dynamo_graphs(), _graph_breaks()
+        graphs, breaks = dynamo_graphs(), graph_breaks()
         with self._turn(live):
             before = graft_counters()
             losses = torch.stack([step() for _ in range(config.loss_steps)])
@@ -415,9 +398,9 @@ class _Run:
                 result.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
                 # No gradients or activations are left: the model and the optimizer's state.
                 result.resident_gib = torch.cuda.memory_allocated(self.device) / 2**30
-        if graphs != _dynamo_graphs():
-            result.notes["graphs_compiled_in_loss_steps"] = _dynamo_graphs() - graphs
-        result.graph_breaks = _graph_breaks() - breaks
+        if graphs != dynamo_graphs():
+            result.notes["graphs_compiled_in_loss_steps"] = dynamo_graphs() - graphs
+        result.graph_breaks = graph_breaks() - breaks
 
     # -- phase 2: alternating rounds --
 
@@ -433,12 +416,12 @@ class _Run:
         def around(name: str) -> Iterator[None]:
             live = self.live[name]
             self.bar.show(f"timing {name}")
-            start = _dynamo_graphs()
+            start = dynamo_graphs()
             try:
                 with self._turn(live):
                     yield
             finally:
-                graphs[name] += _dynamo_graphs() - start
+                graphs[name] += dynamo_graphs() - start
                 self.bar.advance(f"timed {name}")
 
         def on_error(name: str, error: Exception) -> None:
