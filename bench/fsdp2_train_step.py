@@ -225,49 +225,63 @@ def main(argv: list[str] | None = None) -> None:
         for r in variants.values():
             if peak is not None and "ms_per_step" in r:
                 r["mfu"] = flops / (r["ms_per_step"] / 1e3) / (peak * 1e12)
-        if dist.get_rank() != 0:
-            return
-        import transformers
-
-        report = {
-            "size": args.size,
-            "family": args.family,
-            "world": dist.get_world_size(),
-            "device": torch.cuda.get_device_name(device)
-            if cuda
-            else f"CPU ({platform.machine()}, gloo)",
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "dtype": "bfloat16" if cuda else "float32",
-            "batch": size.batch,
-            "seq": size.seq,
-            "parameters": parameters,
-            "flops_per_step_per_rank": flops,
-            "peak_tflops": peak,
-            "checkpointing": args.checkpointing,
-            "reduce_dtype": args.reduce_dtype,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "command": "torchrun --nproc-per-node "
-            f"{dist.get_world_size()} bench/fsdp2_train_step.py --size {args.size} "
-            f"--family {args.family} --variants {','.join(args.variant_names)} "
-            f"--steps {args.steps} --warmup {args.warmup}"
-            + (f" --seq {args.seq}" if args.seq else "")
-            + (" --checkpointing" if args.checkpointing else "")
-            + f" --reduce-dtype {args.reduce_dtype}",
-            "variants": variants,
-        }
-        text = _markdown(report)
-        print(text)
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            stem = f"fsdp2_{args.size}_{args.family}_x{dist.get_world_size()}"
-            if args.seq:
-                stem += f"_seq{args.seq}"
-            (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-            (args.out / f"{stem}.md").write_text(text)
+        if dist.get_rank() == 0:
+            _report(args, variants, size, parameters, flops, peak, device)
+        dist.barrier()  # rank 0 writes the report while the others wait; then all tear down
     finally:
         dist.destroy_process_group()
+
+
+def _report(
+    args: argparse.Namespace,
+    variants: dict[str, Any],
+    size: model_zoo.Size,
+    parameters: int,
+    flops: float,
+    peak: float | None,
+    device: torch.device,
+) -> None:
+    """The JSON and Markdown of the run (rank 0)."""
+    import transformers
+
+    cuda = device.type == "cuda"
+    report = {
+        "size": args.size,
+        "family": args.family,
+        "world": dist.get_world_size(),
+        "device": torch.cuda.get_device_name(device)
+        if cuda
+        else f"CPU ({platform.machine()}, gloo)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": "bfloat16" if cuda else "float32",
+        "batch": size.batch,
+        "seq": size.seq,
+        "parameters": parameters,
+        "flops_per_step_per_rank": flops,
+        "peak_tflops": peak,
+        "checkpointing": args.checkpointing,
+        "reduce_dtype": args.reduce_dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "command": "torchrun --nproc-per-node "
+        f"{dist.get_world_size()} bench/fsdp2_train_step.py --size {args.size} "
+        f"--family {args.family} --variants {','.join(args.variant_names)} "
+        f"--steps {args.steps} --warmup {args.warmup}"
+        + (f" --seq {args.seq}" if args.seq else "")
+        + (" --checkpointing" if args.checkpointing else "")
+        + f" --reduce-dtype {args.reduce_dtype}",
+        "variants": variants,
+    }
+    text = _markdown(report)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"fsdp2_{args.size}_{args.family}_x{dist.get_world_size()}"
+        if args.seq:
+            stem += f"_seq{args.seq}"
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / f"{stem}.md").write_text(text)
 
 
 if __name__ == "__main__":

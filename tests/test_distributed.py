@@ -95,6 +95,10 @@ def _worker(rank: int, port: int, mode: str, out: Any) -> None:
             grafted = _train(mode, grafted=True, rank=rank)
         ran = {k: v["calls"] for k, v in torchgraft.stats().items() if v["calls"]}
         out.put((rank, stock, grafted, ran))
+        # Both ranks are done talking before either tears gloo down (a rank destroying the
+        # group while the other still used it aborted a worker under load). Not on failure:
+        # a rank that raised must not wait for one that may never come.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

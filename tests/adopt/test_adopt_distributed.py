@@ -117,6 +117,10 @@ def _worker(rank: int, port: int, out: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         out.put((rank, {scenario: _train(scenario, rank) for scenario in SCENARIOS}))
+        # Both ranks are done talking before either tears gloo down (a rank destroying the
+        # group while the other still used it aborted a worker under load). Not on failure:
+        # a rank that raised must not wait for one that may never come.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

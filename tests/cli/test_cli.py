@@ -167,7 +167,9 @@ def test_model_demo_subprocess_passes_quietly_with_table_speed_and_ops():
     assert float(passed.group(1)) <= TOLERANCE[torch.float32]
     assert re.search(r"stock\s+[\d.]+ ms\s+torchgraft\s+[\d.]+ ms\s+speedup [\d.]+x", out)
     for model in ("stock", "torchgraft"):
-        assert re.search(rf"^Top 6 ops, {model} \(self CPU time.*\n    aten::", out, re.M), out
+        # Rows of the section (the first may be an autograd node when the host hiccups).
+        section = re.search(rf"^Top 6 ops, {model} \(self CPU time.*\n((?:    .*\n)+)", out, re.M)
+        assert section is not None and "    aten::" in section.group(1), out
     assert out.rstrip().endswith("within tolerance.")
 
 
