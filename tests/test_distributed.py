@@ -9,7 +9,6 @@ torchgraft.functional.swiglu.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from dist_helpers import free_port
 
 pytestmark = pytest.mark.default_torch
 
@@ -103,19 +104,13 @@ def _worker(rank: int, port: int, mode: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_grafted_training_matches_stock_across_two_processes(mode: str) -> None:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, mode, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchgraft
+from adopt_helpers import SdpaCalls
 from torchgraft.adopt import causal_mask
 
 pytestmark = pytest.mark.compat
@@ -28,21 +29,6 @@ def _llama(attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
-
-
-class SdpaCalls:
-    """A compile backend that records, per SDPA call in the traced graph, whether it got a mask
-    and ``is_causal``, then runs the graph as traced."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[bool, object]] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: object) -> object:
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "scaled_dot_product" in str(node.target):
-                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                self.calls.append((mask is not None, node.kwargs.get("is_causal")))
-        return gm
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ the same model without torchgraft, in the same parallel setting, from the same s
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from typing import Any
 
@@ -16,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dist_helpers import free_port
 
 pytestmark = pytest.mark.default_torch
 
@@ -125,19 +126,13 @@ def _worker(rank: int, port: int, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict[str, dict[str, Any]]]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
