@@ -39,7 +39,14 @@ import torch.distributed as dist
 import torchgraft
 from torchgraft.bench import model_zoo
 from torchgraft.bench.model_variants import VARIANTS, Setting
-from torchgraft.bench.model_zoo import FAMILIES, SIZES, build_config, build_model, make_batches
+from torchgraft.bench.model_zoo import (
+    FAMILIES,
+    SIZES,
+    build_config,
+    build_model,
+    make_batches,
+    size_for,
+)
 
 DEFAULT_VARIANTS = "stock,torchgraft"
 
@@ -83,7 +90,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _size(args: argparse.Namespace) -> model_zoo.Size:
-    size = SIZES[args.size]
+    size = size_for(FAMILIES[args.family], args.size)  # the MoE families have sizes of their own
     return dataclasses.replace(size, seq=args.seq) if args.seq else size
 
 

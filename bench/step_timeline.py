@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 import torchgraft
-from torchgraft.bench.model_zoo import FAMILIES, SIZES, build_config, build_model, make_batches
+from torchgraft.bench.model_zoo import (
+    FAMILIES,
+    SIZES,
+    build_config,
+    build_model,
+    make_batches,
+    size_for,
+)
 
 
 def _kernels(prof: Any, device: torch.device) -> list[tuple[float, float, str]]:
@@ -69,7 +76,8 @@ def _attribute(prof: Any, gaps: list[dict[str, Any]]) -> None:
 
 
 def _profile(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    size, family = SIZES[args.size], FAMILIES[args.family]
+    family = FAMILIES[args.family]
+    size = size_for(family, args.size)  # the MoE families have sizes of their own
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(build_config(size, family), device, dtype, seed=0)

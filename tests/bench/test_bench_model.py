@@ -36,6 +36,7 @@ NATIVE = pytest.mark.skipif(not native.available(), reason="torchgraft._native i
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CPU = torch.device("cpu")
 TINY = model_zoo.SIZES["tiny"]
+MOE_TINY = model_zoo.MOE_SIZES["tiny"]
 FAST = ("--rounds", "2", "--steps", "2", "--warmup", "1", "--threads", "1")
 
 
@@ -380,6 +381,9 @@ def test_usage_errors_exit_2_with_one_line(capsys):
         (["--rounds", "0"], "--rounds must be at least 1"),
         (["--dtype", "fp16"], "bf16 or fp32"),
         (["--variants", ","], "empty list"),
+        (["--family", "mixtral", "--size", "1b"], "family 'mixtral' has no size '1b'; its sizes"),
+        (["--experts-implementation", "eager"], "is for the MoE families (qwen3moe, mixtral, "),
+        (["--family", "olmoe", "--experts-implementation", "fast"], "invalid choice: 'fast'"),
     ):
         status = cli.main(["bench", "model", "--device", "cpu", *args])
         err = capsys.readouterr().err
@@ -393,7 +397,8 @@ def test_usage_errors_exit_2_with_one_line(capsys):
 def test_help_lists_sizes_families_and_variants(capsys):
     assert cli.main(["bench", "model", "--help"]) == 0
     out = capsys.readouterr().out
-    for word in [*model_zoo.SIZES, *model_zoo.FAMILIES, *VARIANTS]:
+    words = [*model_zoo.SIZES, *model_zoo.FAMILIES, *VARIANTS, *model_zoo.EXPERTS_IMPLEMENTATIONS]
+    for word in [*words, "--experts-implementation"]:
         assert word in out
 
 
@@ -417,6 +422,105 @@ def test_sizes_have_the_shapes_of_the_issue():
     # k, v: 2048 x 1024) and MLP (3 x 2048 x 5632), 17 norms of 2048.
     layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 5632 + 2 * 2048
     assert counts["small", "llama"] == 2 * 32000 * 2048 + 8 * layer + 2048
+
+
+def test_moe_sizes_have_the_shapes_of_the_issue_and_count_active_parameters():
+    """``small``: Qwen3-30B-A3B's layers (hidden 2048, 16 / 4 heads of 128, 64 experts of 768,
+    top-8, vocab 151936, untied); Mixtral's top-2 of 8 experts of 3072 meets as many expert
+    weights per token. The counts and the step's FLOPs are computed here by hand."""
+    counts = {}
+    for name in ("qwen3moe", "mixtral", "olmoe"):
+        family = model_zoo.FAMILIES[name]
+        config = model_zoo.build_config(model_zoo.size_for(family, "small"), family)
+        assert config.output_router_logits is True  # the load-balancing loss is in the loss
+        assert config._experts_implementation == "grouped_mm"
+        built = model_zoo.build_model(config, torch.device("meta"), torch.bfloat16, 0)
+        assert type(built).__name__.lower().startswith(name)
+        counts[name] = sum(p.numel() for p in built.parameters())
+    assert model_zoo.FAMILIES["qwen3moe"].overrides["norm_topk_prob"] is True
+    hidden, vocab, layers = 2048, 151936, 8
+    attention = 2 * hidden * 2048 + 2 * hidden * 512  # q, o: 16 heads of 128; k, v: 4 heads
+    norms = 2 * hidden  # input and post-attention RMSNorm
+    embeddings = 2 * vocab * hidden + hidden  # untied, and the final norm
+    qwen_layer = attention + 2 * 128 + norms + 64 * hidden + 64 * 3 * hidden * 768
+    assert counts["qwen3moe"] == embeddings + layers * qwen_layer  # 3,123.2M
+    olmoe_layer = attention + 2048 + 512 + norms + 64 * hidden + 64 * 3 * hidden * 768
+    assert counts["olmoe"] == embeddings + layers * olmoe_layer  # q/k norms over all heads
+    mixtral_layer = attention + norms + 8 * hidden + 8 * 3 * hidden * 3072
+    assert counts["mixtral"] == embeddings + layers * mixtral_layer
+
+    # Active: the 56 experts of each layer the router did not pick stay idle.
+    small = model_zoo.MOE_SIZES["small"]
+    active = counts["qwen3moe"] - layers * 56 * 3 * hidden * 768
+    assert model_zoo.active_parameters(small, counts["qwen3moe"]) == active == 1_009_291_264
+    # 6 x (active - input embedding) x 8192 tokens, plus causal attention's 12 L d S / 2 per token.
+    flops = 6 * (active - vocab * hidden) * 8192 + 12 * layers * hidden * 4096 * 8192 / 2
+    assert model_zoo.flops_per_step(small, counts["qwen3moe"]) == flops
+    assert abs(flops - 37.61e12) < 0.01e12
+    # Mixtral's small: the same expert weights per token (2 x 3072 = 8 x 768).
+    mixtral = model_zoo.MIXTRAL_SIZES["small"]
+    mixtral_active = model_zoo.active_parameters(mixtral, counts["mixtral"])
+    # It has no q/k norms, and 56 router rows fewer per layer.
+    assert mixtral_active == active - layers * (2 * 128 + 56 * hidden)
+    # Dense sizes count every parameter.
+    assert model_zoo.active_parameters(model_zoo.SIZES["1b"], 1000) == 1000
+
+
+def test_the_liger_variants_take_the_familys_apply_function(monkeypatch):
+    why = VARIANTS["liger-flce"].unavailable(Setting(CPU, "olmoe"))
+    assert why == "Liger-Kernel has no integration for olmoe"
+    called: list[str] = []
+    monkey_patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    monkey_patch.apply_liger_kernel_to_qwen3_moe = lambda **_: called.append("qwen3_moe")  # type: ignore[attr-defined]
+    package = types.ModuleType("liger_kernel.transformers")
+    package.monkey_patch = monkey_patch  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", package)
+    monkeypatch.setitem(sys.modules, monkey_patch.__name__, monkey_patch)
+    family = model_zoo.FAMILIES["qwen3moe"]
+    built = model_zoo.build_model(
+        model_zoo.build_config(model_zoo.MOE_SIZES["tiny"], family), CPU, torch.float32, 0
+    )
+    prepared = VARIANTS["liger-ce"].prepare(built, Setting(CPU, "qwen3moe"))
+    assert called == ["qwen3_moe"]
+    function = prepared.notes["liger_function"]
+    assert function.startswith("apply_liger_kernel_to_qwen3_moe(model=model")
+
+
+@NATIVE
+@pytest.mark.parametrize(
+    ("family", "experts"), [("qwen3moe", None), ("mixtral", "batched_mm"), ("olmoe", "eager")]
+)
+def test_moe_families_run_through_the_cli_and_adopted_routers_train_like_stock(
+    family: str, experts: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny MoE model (4 experts, top-2, the load-balancing loss in the loss) in stock and
+    torchgraft: torchgraft's routers (the ``moe_router`` adopter) give stock's losses."""
+    args = ["bench", "model", "--family", family, "--device", "cpu", *FAST, "--loss-steps", "6"]
+    args += ["--variants", "torchgraft", "--no-profile", "--no-plot", "--out", str(tmp_path)]
+    if experts is not None:
+        args += ["--experts-implementation", experts]
+    status = cli.main(args)
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    implementation = experts or "grouped_mm"
+    assert f"active: top-2 of 4 experts of 32, {implementation} experts;" in out.splitlines()[0]
+    data = json.loads((tmp_path / f"model_tiny_{family}_cpu_fp32.json").read_text())
+    assert data["experts_implementation"] == implementation
+    assert data["size"]["experts"] == {"count": 4, "per_token": 2}
+    # Per layer, two idle SwiGLU experts of 3 x hidden x 32.
+    idle = MOE_TINY.layers * 2 * 3 * MOE_TINY.hidden * MOE_TINY.mlp
+    assert data["active_parameters"] == data["parameters"] - idle
+    stock, adopted = data["variants"]
+    assert [stock["name"], adopted["name"]] == ["stock", "torchgraft"]
+    assert all(v["error"] is None and v["state_problems"] == [] for v in data["variants"])
+    rows = [r for r in adopted["notes"]["adoption"]["rows"] if r["kind"] == "moe_router"]
+    assert len(rows) == MOE_TINY.layers and all(r["status"] == "adopted" for r in rows), rows
+    routed = adopted["grafts_per_step"]["native/torchgraft::topk_softmax/CPU"]
+    assert routed["calls"] == MOE_TINY.layers
+    assert stock["losses"][-1] < stock["losses"][0]
+    assert adopted["max_abs_loss_diff_vs_stock"] < 1e-5  # float32
+    assert data["checks"]["no_grafts_with_torchgraft_off"] is True
 
 
 def test_8b_is_llama_3_1_8b():

@@ -75,6 +75,9 @@ class ModelBenchConfig:
     compile_backend: str = "inductor"
     compile_mode: str | None = None
     profile: bool = True
+    experts_implementation: str | None = None
+    """MoE families: transformers' experts forward (:data:`model_zoo.EXPERTS_IMPLEMENTATIONS`;
+    None: ``grouped_mm``, transformers' default); dense families: None."""
 
 
 @dataclass
@@ -116,6 +119,8 @@ class ModelReport:
 
     size: dict[str, Any]
     family: str
+    experts_implementation: str | None
+    """transformers' experts forward (MoE families; None: a dense model)."""
     device: dict[str, Any]
     dtype: str
     optimizer: str
@@ -127,6 +132,8 @@ class ModelReport:
     loss_steps: int
     tokens_per_step: int
     parameters: int
+    active_parameters: int
+    """The parameters one token's forward multiplies with (MoE: the router's picks only)."""
     flops_per_step: float
     """Training FLOPs of one step (:func:`model_zoo.flops_per_step`)."""
     peak_tflops: float | None
@@ -267,8 +274,11 @@ class _Run:
         self.bar = bar
         self.device = config.device
         self.on_cuda = config.device.type == "cuda"
-        self.size = model_zoo.SIZES[config.size]
-        self.model_config = model_zoo.build_config(self.size, model_zoo.FAMILIES[config.family])
+        family = model_zoo.FAMILIES[config.family]
+        self.size = model_zoo.size_for(family, config.size)
+        self.model_config = model_zoo.build_config(
+            self.size, family, _experts_implementation(config)
+        )
         self.setting = Setting(
             config.device, config.family, config.compile_backend, config.compile_mode
         )
@@ -544,17 +554,38 @@ def _compare(results: list[VariantResult]) -> dict[str, Any]:
     return checks
 
 
+def _experts_implementation(config: ModelBenchConfig) -> str | None:
+    """The experts forward the run's models use: MoE families only, transformers' default
+    unless asked."""
+    if not model_zoo.FAMILIES[config.family].moe:
+        return None
+    return config.experts_implementation or model_zoo.EXPERTS_IMPLEMENTATIONS[0]
+
+
 def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") -> ModelReport:
     """Runs the model benchmark (see the module docstring) and returns its report.
 
     torchgraft's enabled state is the same afterwards as before.
     """
-    if config.size not in model_zoo.SIZES:
-        raise ModelBenchError(f"unknown size {config.size!r}; known: {', '.join(model_zoo.SIZES)}")
     if config.family not in model_zoo.FAMILIES:
         raise ModelBenchError(
             f"unknown family {config.family!r}; known: {', '.join(model_zoo.FAMILIES)}"
         )
+    try:
+        size = model_zoo.size_for(model_zoo.FAMILIES[config.family], config.size)
+    except ValueError as error:
+        raise ModelBenchError(str(error)) from None
+    if config.experts_implementation is not None:
+        if size.experts is None:
+            moe = [f.name for f in model_zoo.FAMILIES.values() if f.moe]
+            raise ModelBenchError(
+                f"--experts-implementation is for the MoE families ({', '.join(moe)})"
+            )
+        if config.experts_implementation not in model_zoo.EXPERTS_IMPLEMENTATIONS:
+            raise ModelBenchError(
+                f"unknown experts implementation {config.experts_implementation!r}; known: "
+                + ", ".join(model_zoo.EXPERTS_IMPLEMENTATIONS)
+            )
     missing = model_zoo.transformers_missing()
     if missing is not None:
         raise ModelBenchError(missing)
@@ -567,7 +598,6 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
             raise ModelBenchError(f"{option} must be at least 1")
     setting = Setting(config.device, config.family, config.compile_backend, config.compile_mode)
     chosen, skipped = select_variants(config.variants, setting)
-    size = model_zoo.SIZES[config.size]
     total = len(chosen) * (config.rounds + 2)
     bar = Progress(total, enabled=progress)
     was_enabled = torchgraft.is_enabled()
@@ -586,6 +616,7 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
     report = ModelReport(
         size=size.to_json(),
         family=config.family,
+        experts_implementation=_experts_implementation(config),
         device=describe_device(config.device),
         dtype=str(config.dtype).removeprefix("torch."),
         optimizer=state.optimizer_name,
@@ -597,6 +628,7 @@ def run(config: ModelBenchConfig, *, progress: bool = False, command: str = "") 
         loss_steps=config.loss_steps,
         tokens_per_step=size.tokens,
         parameters=state.parameters,
+        active_parameters=model_zoo.active_parameters(size, state.parameters),
         flops_per_step=model_zoo.flops_per_step(size, state.parameters),
         peak_tflops=_peak_tflops(config),
         timing=(

@@ -30,13 +30,24 @@ def build_parser() -> argparse.ArgumentParser:
         "loss against stock, grafts that ran, top ops. Random weights from a config: nothing "
         "is downloaded.",
     )
+    moe = [f.name for f in model_zoo.FAMILIES.values() if f.moe]
+    sizes = dict.fromkeys(name for f in model_zoo.FAMILIES.values() for name in f.sizes)
     parser.add_argument(
         "--size",
-        choices=list(model_zoo.SIZES),
-        help="model size (default: small on CUDA, tiny on the CPU)",
+        choices=list(sizes),
+        help="model size (default: small on CUDA, tiny on the CPU; the MoE families: "
+        f"{', '.join(model_zoo.MOE_SIZES)})",
     )
     parser.add_argument(
-        "--family", choices=list(model_zoo.FAMILIES), default="llama", help="default: llama"
+        "--family",
+        choices=list(model_zoo.FAMILIES),
+        default="llama",
+        help=f"default: llama; mixtures of experts: {', '.join(moe)}",
+    )
+    parser.add_argument(
+        "--experts-implementation",
+        choices=list(model_zoo.EXPERTS_IMPLEMENTATIONS),
+        help="transformers' experts forward for the MoE families (default: grouped_mm)",
     )
     parser.add_argument(
         "--variants",
@@ -87,11 +98,14 @@ def main(argv: Sequence[str]) -> int:
     from . import model, model_output, model_zoo
 
     device = parse_device(args.device)
-    size = args.size or ("small" if device.type == "cuda" else "tiny")
+    size_name = args.size or ("small" if device.type == "cuda" else "tiny")
     dtype = parse_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in (torch.bfloat16, torch.float32):
         raise CliError(f"the model benchmark trains in bf16 or fp32, not {args.dtype}")
-    defaults = model_zoo.SIZES[size]
+    try:
+        defaults = model_zoo.size_for(model_zoo.FAMILIES[args.family], size_name)
+    except ValueError as error:
+        raise CliError(str(error)) from None
     if args.threads is not None:
         if args.threads < 1:
             raise CliError("--threads must be at least 1")
@@ -99,7 +113,7 @@ def main(argv: Sequence[str]) -> int:
     if args.warmup < 0:
         raise CliError("--warmup must be at least 0")
     config = model.ModelBenchConfig(
-        size=size,
+        size=size_name,
         family=args.family,
         device=device,
         dtype=dtype,
@@ -112,6 +126,7 @@ def main(argv: Sequence[str]) -> int:
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         profile=not args.no_profile,
+        experts_implementation=args.experts_implementation,
     )
     out_dir = Path(args.out)
     try:  # before the run, so a bad --out costs nothing

@@ -63,10 +63,18 @@ def _row(report: ModelReport, r: VariantResult) -> list[str]:
 
 def _title(report: ModelReport) -> str:
     size = report.size
+    shape = f"{report.parameters / 1e6:,.1f}M parameters"
+    experts = size.get("experts")
+    if experts is not None:
+        shape += (
+            f", {report.active_parameters / 1e6:,.1f}M active: top-{experts['per_token']} of "
+            f"{experts['count']} experts of {size['mlp']}, {report.experts_implementation} experts;"
+        )
+    else:
+        shape += ","
     return (
-        f"{report.family} {size['name']} ({report.parameters / 1e6:,.1f}M parameters, batch "
-        f"{size['batch']} x {size['seq']} tokens), {report.dtype}, {report.device['name']}: "
-        f"training step ({report.optimizer})"
+        f"{report.family} {size['name']} ({shape} batch {size['batch']} x {size['seq']} "
+        f"tokens), {report.dtype}, {report.device['name']}: training step ({report.optimizer})"
     )
 
 
@@ -148,7 +156,8 @@ def _notes(report: ModelReport) -> list[str]:
 
 _LEGEND = (
     "ms/step: median over {rounds} alternating rounds of {steps} steps; vs stock: stock's "
-    "time over the variant's; MFU: the step's FLOPs (model_zoo.flops_per_step) per second over "
+    "time over the variant's; MFU: the step's FLOPs (model_zoo.flops_per_step; MoE: the "
+    "active parameters only) per second over "
     "the GPU's dense bf16 peak (CUDA bf16 on a GPU with a known peak only); peak GiB: "
     "torch.cuda.max_memory_allocated over the loss steps "
     "(not measured on the CPU); max |dloss|: largest difference to stock's loss over "

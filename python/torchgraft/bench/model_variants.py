@@ -8,8 +8,9 @@ process-wide state its steps run under. Nothing a variant does reaches another o
 - ``torchgraft.adopt(model)`` changes only that model; ``unadopt`` undoes it at the end.
 - ``torch.compile`` wraps only that model (dynamo's caches are keyed by code and guarded, so
   the eager variants never run compiled code).
-- Liger-Kernel's ``apply_liger_kernel_to_<family>(model=...)`` patches the model instance *and*
-  module globals (RoPE, the RMSNorm and MLP classes, ``torch.nn.functional.cross_entropy``).
+- Liger-Kernel's ``apply_liger_kernel_to_<family>(model=...)`` (the family's ``liger``) patches
+  the model instance *and* module globals (RoPE, the RMSNorm and MLP classes,
+  ``torch.nn.functional.cross_entropy``).
   The global patches are caught and undone right away (:mod:`.patches`) and installed again
   only around the Liger variant's own steps; the instance patches belong to its own model.
 """
@@ -27,7 +28,7 @@ import torch
 
 import torchgraft
 
-from . import patches
+from . import model_zoo, patches
 from .routes import module_available
 
 __all__ = ["VARIANTS", "WATCHED_MODULES", "Prepared", "Setting", "Variant", "watched_namespaces"]
@@ -216,6 +217,8 @@ def _prepare_compile_regional_torchgraft(model: torch.nn.Module, setting: Settin
 
 
 def _liger_unavailable(setting: Setting) -> str | None:
+    if model_zoo.FAMILIES[setting.family].liger is None:
+        return f"Liger-Kernel has no integration for {setting.family}"
     if not module_available("liger_kernel"):
         return "liger_kernel is not installed (pip install liger-kernel)"
     if setting.device.type != "cuda":
@@ -239,8 +242,8 @@ def _liger(fused_linear_cross_entropy: bool) -> Callable[[torch.nn.Module, Setti
     def prepare(model: torch.nn.Module, setting: Setting) -> Prepared:
         from liger_kernel.transformers import monkey_patch
 
-        function = f"apply_liger_kernel_to_{setting.family}"
-        apply = getattr(monkey_patch, function, None)
+        function = model_zoo.FAMILIES[setting.family].liger
+        apply = getattr(monkey_patch, function or "", None)
         if apply is None:
             raise RuntimeError(f"this liger_kernel has no {function}")
         options = {
