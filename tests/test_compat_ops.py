@@ -140,6 +140,19 @@ def _routing_reference(logits: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(-1, keepdim=True)
 
 
+# MoE token permutation: 24 tokens, 4 of 8 experts each, the pairs sorted by expert (stably)
+# with torch's ops; every slot real.
+MOE_IDS = torch.rand(24, 8).topk(4, dim=-1).indices
+MOE_PERM = torch.sort(MOE_IDS.reshape(-1), stable=True).indices
+MOE_INV = MOE_PERM.argsort()
+MOE_VALID = torch.tensor([96], dtype=torch.int32)
+
+
+def _moe_unpermute_reference(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """transformers' un-permute: weighted rows back in token order, summed per token."""
+    return (y * w.reshape(-1, 1)[MOE_PERM])[MOE_INV].view(24, 4, -1).sum(1)
+
+
 FUNCTIONAL = {
     "swiglu": (tgf.swiglu, lambda g, u: F.silu(g) * u, [(24, 64), (24, 64)]),
     "geglu": (tgf.geglu, lambda g, u: F.gelu(g) * u, [(24, 64), (24, 64)]),
@@ -159,6 +172,16 @@ FUNCTIONAL = {
         lambda logits: tgf.topk_softmax(logits, 4, renormalize=True)[0],
         _routing_reference,
         [(24, 16)],
+    ),
+    "moe_permute": (
+        lambda h: tgf.moe_permute(h, MOE_PERM, MOE_VALID, 4),
+        lambda h: h[MOE_PERM // 4],
+        [(24, 64)],
+    ),
+    "moe_unpermute": (
+        lambda y, w: tgf.moe_unpermute(y, MOE_INV, MOE_VALID, w, 4),
+        _moe_unpermute_reference,
+        [(96, 64), (24, 4)],
     ),
 }
 

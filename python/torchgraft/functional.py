@@ -25,6 +25,14 @@ from torchgraft.ops.glu import autograd as _glu
 from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
 from torchgraft.ops.linear_cross_entropy import autograd as _lce  # noqa: F401  (autograd)
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
+from torchgraft.ops.moe_permute import autograd as _moe
+from torchgraft.ops.moe_permute.reference import (
+    moe_permute_reference,
+    moe_unpermute_reference,
+)
+from torchgraft.ops.moe_permute.reference import (
+    moe_sort as _moe_sort,
+)
 from torchgraft.ops.rms_norm import autograd as _rms_norm
 from torchgraft.ops.rms_norm.reference import acc_dtype as _acc_dtype
 from torchgraft.ops.rms_norm.reference import rms_norm_eager
@@ -37,6 +45,9 @@ __all__ = [
     "cross_entropy",
     "geglu",
     "linear_cross_entropy",
+    "moe_permute",
+    "moe_sort",
+    "moe_unpermute",
     "rms_norm",
     "rope",
     "swiglu",
@@ -415,3 +426,111 @@ def topk_softmax(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[
     if not takes:
         return topk_softmax_reference(logits, k, renormalize)
     return _topk.topk_softmax(logits, k, renormalize)
+
+
+# The devices the MoE permutation kernels run on, and the dtypes they read `valid` in.
+_MOE_DEVICES = ("cpu", "cuda")
+_MOE_VALID_DTYPES = (torch.int32, torch.int64)
+
+
+def _moe_indices_fit(index: Tensor, valid: Tensor, device: torch.device, pairs: int) -> bool:
+    """Whether the permutation kernels take ``index`` and ``valid`` next to rows on ``device``:
+    ``(pairs,)`` int64, a one-element int32 or int64 ``valid``, all on that device."""
+    return (
+        device.type in _MOE_DEVICES
+        and index.dtype == torch.int64
+        and index.shape == (pairs,)
+        and index.device == device
+        and valid.dtype in _MOE_VALID_DTYPES
+        and valid.numel() == 1
+        and valid.device == device
+    )
+
+
+def moe_sort(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ``(token, k)`` pairs of ``expert_ids`` ``(T, K)`` int64 grouped by expert, with
+    torch's ops on their device: no host synchronisation, safe under CUDA graphs and
+    ``torch.compile``.
+
+    Returns:
+        ``(perm, inv_perm, offsets, valid)``: ``perm`` ``(T*K,)`` int64, the pairs (``p = t * K
+        + k``) in expert order, stably (within an expert in token order); ``inv_perm`` its
+        inverse (pair ``p`` sits at slot ``inv_perm[p]``); ``offsets`` ``(num_experts,)`` int32,
+        the end of each expert's slots (``torch._grouped_mm``'s ``offs``); ``valid`` ``(1,)``
+        int32, ``offsets[-1:]``, the number of slots of local experts. Ids outside ``[0,
+        num_experts)`` (experts of other ranks under expert parallelism) sort last, into the
+        sentinel slots at or beyond ``valid``.
+    """
+    return _moe_sort(expert_ids, num_experts)
+
+
+def moe_permute(hidden: Tensor, perm: Tensor, valid: Tensor, top_k: int) -> Tensor:
+    """The hidden rows of the ``(token, k)`` pairs in expert order, in one pass:
+    ``out[s] = hidden[perm[s] // top_k]`` for ``s < valid``, zero beyond.
+
+    Args:
+        hidden: ``(T, H)``, a floating dtype.
+        perm: ``(T * top_k,)`` int64 from [`moe_sort`][]: slot ``s`` holds pair ``perm[s]``.
+        valid: One-element int32 or int64 tensor on ``hidden``'s device (``moe_sort``'s), read
+            there: the call never waits for the host.
+        top_k: Experts per token.
+
+    Returns:
+        ``(T * top_k, H)`` of ``hidden``'s dtype; differentiable with respect to ``hidden`` (its
+        gradient sums each token's real slots, in float32, without atomics).
+
+    The kernels run on CPU (Rust) and CUDA; other dtypes, devices and shapes compute
+    ``hidden[perm // top_k]`` with the sentinel rows zeroed in torch's ops, so their errors are
+    torch's. On CPU an index out of range raises; on CUDA it reads as a sentinel (no host check).
+    """
+    takes = (
+        hidden.dtype in _FLOATS
+        and hidden.dim() == 2
+        and top_k >= 1
+        and _moe_indices_fit(perm, valid, hidden.device, hidden.shape[0] * top_k)
+    )
+    if not takes:
+        return moe_permute_reference(hidden, perm, valid, top_k)
+    return _moe.moe_permute(hidden, perm, valid, top_k)
+
+
+def moe_unpermute(
+    y: Tensor, inv_perm: Tensor, valid: Tensor, weights: Tensor | None, top_k: int
+) -> Tensor:
+    """The experts' output rows put back in token order and summed with the routing weights, in
+    one pass: ``out[t] = sum_k weights[t, k] * y[inv_perm[t * top_k + k]]`` over the pairs whose
+    slot is below ``valid`` (transformers' ``weighted_out[inv_perm].view(T, K, H).sum(1)``).
+
+    Args:
+        y: ``(T * top_k, H)`` in expert order (the grouped GEMMs' output), a floating dtype.
+        inv_perm: ``(T * top_k,)`` int64 from [`moe_sort`][]: pair ``p`` sits at slot
+            ``inv_perm[p]``.
+        valid: One-element int32 or int64 tensor on ``y``'s device, read there.
+        weights: ``(T, top_k)`` routing weights of any floating dtype, or None (all 1).
+        top_k: Experts per token.
+
+    Returns:
+        ``(T, H)`` of ``y``'s dtype: summed in float32 (float64 for float64) and rounded once.
+        Differentiable with respect to ``y`` and ``weights`` (one backward pass computes both;
+        the weights' gradient in their dtype).
+
+    Other dtypes, devices and shapes compute the same in torch's ops (errors are torch's).
+    """
+    takes = (
+        y.dtype in _FLOATS
+        and y.dim() == 2
+        and top_k >= 1
+        and y.shape[0] % top_k == 0
+        and _moe_indices_fit(inv_perm, valid, y.device, y.shape[0])
+        and (
+            weights is None
+            or (
+                weights.dtype in _FLOATS
+                and weights.shape == (y.shape[0] // top_k, top_k)
+                and weights.device == y.device
+            )
+        )
+    )
+    if not takes:
+        return moe_unpermute_reference(y, inv_perm, valid, weights, top_k)
+    return _moe.moe_unpermute(y, inv_perm, valid, weights, top_k)

@@ -47,6 +47,7 @@ from torchgraft import functional as tgf
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager
 from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
+from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
 from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
 from torchgraft.ops.rope.reference import rope_eager
 from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
@@ -575,7 +576,86 @@ ROUTING = [
     ),
 ]  # fmt: skip
 
-CASES = GLU + ROPE + CROSS_ENTROPY + LINEAR_CROSS_ENTROPY + RMS_NORM + ROUTING
+# ---------------------------------------------------------------- MoE token permutation
+
+
+def _draw_moe_indices(d: Draw, pairs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A random permutation of the pairs, its inverse (each now and then a strided view, or
+    int32: tagged ``dtype``) and ``valid`` (int32 or int64, now and then out of ``[0, S]``:
+    clamped, or float: tagged ``dtype``)."""
+    perm = torch.randperm(pairs, generator=d.gen)
+    inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(pairs))
+
+    def index(values: Tensor) -> Tensor:
+        if d.chance(0.05):
+            values = values.int()
+            d.mistake("dtype")
+        if d.chance(0.2):
+            wide = torch.stack([values, torch.zeros_like(values)], dim=-1)
+            return d.place(wide)[:, 0]
+        return d.place(values)
+
+    count = d.pick([0, pairs, pairs // 2, d.pick([-1, pairs + 3])])
+    valid = torch.tensor([count], dtype=d.pick([torch.int32, torch.int64]))
+    if d.chance(0.05):
+        valid = valid.float()
+        d.mistake("dtype")
+    return index(perm), index(inv_perm), d.place(valid.reshape(d.pick([[1], []])))
+
+
+def _draw_moe_permute(d: Draw) -> tuple[Any, ...]:
+    tokens, top_k, width = d.size(), d.pick([1, 2, 3]), d.size()
+    perm, _, valid = _draw_moe_indices(d, tokens * top_k)
+    if d.chance(0.06):
+        top_k = d.pick([top_k + 1, 0])  # the perm no longer has tokens * top_k pairs
+        d.mistake("shape")
+    return d.tensor([tokens, width], d.dtype_of()), perm, valid, top_k
+
+
+def _draw_moe_weights(d: Draw, tokens: int, top_k: int) -> Tensor | None:
+    if d.chance(0.3):
+        return None
+    dtype = d.pick([torch.float32, d.dtype])
+    return d.tensor(d.perturb_shape([tokens, top_k]), d.dtype_of(dtype), kind="positive")
+
+
+def _draw_moe_unpermute(d: Draw) -> tuple[Any, ...]:
+    tokens, top_k, width = d.size(), d.pick([1, 2, 3]), d.size()
+    _, inv_perm, valid = _draw_moe_indices(d, tokens * top_k)
+    y = d.tensor([tokens * top_k, width], d.dtype_of())
+    weights = _draw_moe_weights(d, tokens, top_k)
+    if d.chance(0.06) and tokens * top_k > 1:
+        top_k = d.pick([0, tokens * top_k + 1])  # not a divisor of the rows
+        d.mistake("shape")
+    return y, inv_perm, valid, weights, top_k
+
+
+def _draw_moe_unpermute_backward(d: Draw) -> tuple[Any, ...]:
+    tokens, top_k, width = d.size(), d.pick([1, 2, 3]), d.size()
+    perm, inv_perm, valid = _draw_moe_indices(d, tokens * top_k)
+    grad = d.tensor(d.perturb_shape([tokens, width]), d.dtype_of())
+    y = d.tensor([tokens * top_k, width], d.dtype_of())
+    return grad, y, perm, inv_perm, valid, _draw_moe_weights(d, tokens, top_k), top_k
+
+
+def _moe_unpermute_backward_eager(grad, y, perm, inv_perm, valid, weights, top_k) -> tuple:
+    leaves = [_leaf(y, True), _leaf(weights, weights is not None)]
+    out = moe_unpermute_reference(leaves[0], inv_perm, valid, leaves[1], top_k)
+    return _grads(out, leaves, grad, y)
+
+
+MOE_PERMUTE = [
+    Case("moe_permute", _draw_moe_permute, OPS.moe_permute, moe_permute_reference),
+    Case("moe_unpermute", _draw_moe_unpermute, OPS.moe_unpermute, moe_unpermute_reference),
+    Case("moe_unpermute_backward", _draw_moe_unpermute_backward, OPS.moe_unpermute_backward,
+         _moe_unpermute_backward_eager),
+    Case("functional.moe_permute", _draw_moe_permute, tgf.moe_permute, moe_permute_reference,
+         native=False, refuses=frozenset()),
+    Case("functional.moe_unpermute", _draw_moe_unpermute, tgf.moe_unpermute,
+         moe_unpermute_reference, native=False, refuses=frozenset()),
+]  # fmt: skip
+
+CASES = GLU + ROPE + CROSS_ENTROPY + LINEAR_CROSS_ENTROPY + RMS_NORM + ROUTING + MOE_PERMUTE
 
 
 def test_every_torchgraft_op_has_a_case():

@@ -33,6 +33,10 @@ pub use ops::layer_norm::{
     layer_norm_backward, layer_norm_backward_workspace_bytes, layer_norm_forward,
     LayerNormBackward, LayerNormForward,
 };
+pub use ops::moe_permute::{
+    moe_permute, moe_unpermute, moe_unpermute_backward, MoePermute, MoeUnpermute,
+    MoeUnpermuteBackward, MoeValid, MoeWeights,
+};
 pub use ops::rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,
     rms_norm_backward_workspace_bytes, rms_norm_backward_workspace_bytes_for, rms_norm_forward,

@@ -29,3 +29,17 @@ fn glu_and_rope_kernels_match_float64_on_the_cpu_emulator() {
         s.checks
     );
 }
+
+/// ops/moe_permute/moe_permute.cu on the emulator (emu/moe_permute_test.cpp): every dtype and
+/// weight kind, packed and one-element paths, sentinel slots with an int32 or int64 `valid`
+/// (also out of range: clamped), out-of-range indices read as sentinels, grid-stride loops.
+#[test]
+fn moe_permute_kernels_match_float64_on_the_cpu_emulator() {
+    let s = emu_harness::run("run_moe_permute.sh", &[]);
+    assert!(
+        s.launches > 2000 && s.checks > 2500,
+        "too few cases ran: {} launches, {} checks",
+        s.launches,
+        s.checks
+    );
+}

@@ -1,8 +1,8 @@
 //! Pure Rust CPU kernels for torchgraft, one module per op under [`ops`]: RMSNorm, LayerNorm,
-//! softmax, gated linear units, rotary position embeddings, cross-entropy, Adam, and the
-//! element conversions. They work on contiguous (RoPE: strided) buffers, generic over `f32`,
-//! `f64`, `bf16` and `f16` (see [`Float`]), with the numerics of PyTorch's reference composites
-//! and ATen's CPU kernels (each op's docs say which).
+//! softmax, gated linear units, rotary position embeddings, cross-entropy, Adam, MoE routing
+//! and token permutation, and the element conversions. They work on contiguous (RoPE: strided)
+//! buffers, generic over `f32`, `f64`, `bf16` and `f16` (see [`Float`]), with the numerics of
+//! PyTorch's reference composites and ATen's CPU kernels (each op's docs say which).
 //!
 //! The kernels are SIMD, chosen at run time ([`Isa`]: AVX-512, AVX2 + FMA + F16C, or portable
 //! Rust), and run near memory bandwidth. Parallelism comes only from the caller's [`Parallel`]

@@ -6,6 +6,7 @@ pub(crate) mod adam;
 pub(crate) mod cross_entropy;
 pub(crate) mod glu;
 pub(crate) mod layer_norm;
+pub(crate) mod moe_permute;
 pub(crate) mod rms_norm;
 pub(crate) mod rope;
 pub(crate) mod softmax;
@@ -22,6 +23,7 @@ const TABLES: &[fn() -> Vec<Kernel>] = &[
     layer_norm::kernel_table,
     rope::kernel_table,
     cross_entropy::kernel_table,
+    moe_permute::kernel_table,
 ];
 
 /// The crate's kernel table: every op's kernels.

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod cross_entropy;
 pub mod glu;
 pub mod layer_norm;
+pub mod moe_permute;
 pub mod rms_norm;
 pub mod rope;
 pub mod softmax;

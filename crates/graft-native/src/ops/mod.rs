@@ -9,6 +9,7 @@
 mod cross_entropy;
 mod glu;
 mod linear_cross_entropy;
+mod moe_permute;
 mod rms_norm;
 mod rope;
 mod topk_softmax;
@@ -223,6 +224,37 @@ const OPS: &[CustomOp] = &[
         cpu_counters: &topk_softmax::cpu::TOPK_SOFTMAX_BACKWARD_CPU,
         cuda_counters: &NO_CUDA_KERNEL,
         cuda: false,
+    },
+    CustomOp {
+        op: "torchgraft::moe_permute",
+        schema: c"moe_permute(Tensor hidden, Tensor perm, Tensor valid, int top_k) -> Tensor",
+        register_cpu: |lib| lib.register::<moe_permute::cpu::MoePermuteCpu>(c"moe_permute"),
+        register_cuda: |lib| lib.register::<moe_permute::cuda::MoePermuteCuda>(c"moe_permute"),
+        cpu_counters: &moe_permute::cpu::MOE_PERMUTE_CPU,
+        cuda_counters: &moe_permute::cuda::MOE_PERMUTE_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::moe_unpermute",
+        schema: c"moe_unpermute(Tensor y, Tensor inv_perm, Tensor valid, Tensor? weights, int top_k) -> Tensor",
+        register_cpu: |lib| lib.register::<moe_permute::cpu::MoeUnpermuteCpu>(c"moe_unpermute"),
+        register_cuda: |lib| lib.register::<moe_permute::cuda::MoeUnpermuteCuda>(c"moe_unpermute"),
+        cpu_counters: &moe_permute::cpu::MOE_UNPERMUTE_CPU,
+        cuda_counters: &moe_permute::cuda::MOE_UNPERMUTE_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::moe_unpermute_backward",
+        schema: c"moe_unpermute_backward(Tensor grad, Tensor y, Tensor perm, Tensor inv_perm, Tensor valid, Tensor? weights, int top_k) -> (Tensor, Tensor)",
+        register_cpu: |lib| {
+            lib.register::<moe_permute::cpu::MoeUnpermuteBackwardCpu>(c"moe_unpermute_backward")
+        },
+        register_cuda: |lib| {
+            lib.register::<moe_permute::cuda::MoeUnpermuteBackwardCuda>(c"moe_unpermute_backward")
+        },
+        cpu_counters: &moe_permute::cpu::MOE_UNPERMUTE_BACKWARD_CPU,
+        cuda_counters: &moe_permute::cuda::MOE_UNPERMUTE_BACKWARD_CUDA,
+        cuda: true,
     },
 ];
 
