@@ -1,0 +1,243 @@
+"""The MoE experts adopter: transformers' experts blocks (Qwen3-MoE, OLMoE, Mixtral) run
+torchgraft's permutation ops around their grouped GEMMs, train like stock under every one of
+transformers' own experts implementations, and fall back where what was verified changes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchgraft
+from torchgraft.adopt import AdoptionFallbackWarning
+
+pytestmark = pytest.mark.default_torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.1,
+}
+CONFIGS = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, moe_intermediate_size=16, num_experts=8, norm_topk_prob=True
+    ),
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=8),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=8),
+}
+
+
+def _model(family: str, implementation: str = "grouped_mm", dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = CONFIGS[family]()
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation=implementation, dtype=dtype
+    )
+    for module in model.modules():  # the routers start at zeros: every expert would tie
+        if type(module).__name__.endswith("TopKRouter"):
+            torch.nn.init.normal_(module.weight, std=0.5)
+    return model.train()
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    assert out.aux_loss is not None  # the load-balancing loss is part of the loss
+    return out.loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _experts_rows(report: torchgraft.AdoptionReport) -> list:
+    return [r for r in report.rows if r.kind == "moe_experts"]
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_experts_are_adopted_and_train_like_stock(family: str, implementation: str) -> None:
+    stock, model = _model(family, implementation), _model(family, implementation)
+    ids = _ids()
+    want_loss, want_grads = _step(stock, ids)
+    report = torchgraft.adopt(model)
+    try:
+        rows = _experts_rows(report)
+        assert len(rows) == 2 and all(r.status == "adopted" for r in rows), rows
+        assert all(
+            r.route == "grouped, the model's gating -> torchgraft::moe_permute" for r in rows
+        ), rows
+        torchgraft.reset_stats()
+        with torchgraft.enabled():
+            loss, grads = _step(model, ids)
+        stats = torchgraft.stats()
+        assert stats["native/torchgraft::moe_permute/CPU"]["calls"] == 2
+        # moe_unpermute: each block's forward, and moe_permute's backward
+        assert stats["native/torchgraft::moe_unpermute/CPU"]["calls"] == 4
+        assert stats["native/torchgraft::moe_unpermute_backward/CPU"]["calls"] == 2
+    finally:
+        torchgraft.unadopt(model)
+    assert _rel(loss, want_loss) < 1e-5
+    assert len(grads) == len(want_grads)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert _rel(got, want) < 1e-4
+
+
+def test_bfloat16_experts_match_stock_within_bfloat16() -> None:
+    stock, model = (
+        _model("qwen3_moe", dtype=torch.bfloat16),
+        _model("qwen3_moe", dtype=torch.bfloat16),
+    )
+    ids = _ids(2)
+    want_loss, want_grads = _step(stock, ids)
+    report = torchgraft.adopt(model)
+    try:
+        assert all(r.status == "adopted" for r in _experts_rows(report))
+        with torchgraft.enabled():
+            loss, grads = _step(model, ids)
+    finally:
+        torchgraft.unadopt(model)
+    assert _rel(loss, want_loss) < 1e-2
+    experts = [n for n, p in model.named_parameters() if p.grad is not None]
+    for name, got, want in zip(experts, grads, want_grads, strict=True):
+        assert _rel(got, want) < 3e-2, name
+
+
+def test_out_of_range_experts_count_as_zero_like_grouped_mm() -> None:
+    """Expert parallelism's sentinels (ids >= num_experts) contribute nothing, forward and
+    backward, as in transformers' grouped_mm implementation."""
+    model = _model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(10, 32, generator=gen, requires_grad=True)
+    index = torch.randint(0, 8, (10, 2), generator=gen)
+    index[::3, 1] = 8  # a sentinel in every third token
+    weights = torch.rand(10, 2, generator=gen).requires_grad_(True)
+    upstream = torch.randn(10, 32, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        out = experts(hidden, index, weights)
+        grads = torch.autograd.grad(out, (hidden, weights, experts.gate_up_proj), upstream)
+        return [out.detach(), *grads]
+
+    want = run()
+    report = torchgraft.adopt(model)
+    try:
+        assert all(r.status == "adopted" for r in _experts_rows(report))
+        with torchgraft.enabled():
+            got = run()
+    finally:
+        torchgraft.unadopt(model)
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all()
+        assert _rel(g, w) < 1e-5
+
+
+def test_the_blocks_own_gating_and_its_hooks_run_inside_the_replacement() -> None:
+    """The replacement calls the block's ``_apply_gate`` (and so its activation module): a
+    hook on the activation runs, and a model's own gating (GPT-OSS clamps its SwiGLU) is kept."""
+
+    def clamped(self: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=0.5)) * (up.clamp(-0.5, 0.5) + 1)
+
+    stock, model = _model("qwen3_moe"), _model("qwen3_moe")
+    for m in (stock, model):
+        for layer in m.model.layers:
+            layer.mlp.experts._apply_gate = clamped.__get__(layer.mlp.experts)
+    ids = _ids()
+    want_loss, want_grads = _step(stock, ids)
+    report = torchgraft.adopt(model)
+    try:
+        assert all(r.status == "adopted" for r in _experts_rows(report))
+        calls: list[int] = []
+        handle = model.model.layers[0].mlp.experts.act_fn.register_forward_hook(
+            lambda *a: calls.append(1)
+        )
+        torchgraft.reset_stats()
+        with torchgraft.enabled():
+            loss, grads = _step(model, ids)
+        handle.remove()
+        assert calls == [1]
+        assert torchgraft.stats()["native/torchgraft::moe_permute/CPU"]["calls"] == 2
+    finally:
+        torchgraft.unadopt(model)
+    assert _rel(loss, want_loss) < 1e-5
+    for got, want in zip(grads, want_grads, strict=True):
+        assert _rel(got, want) < 1e-4
+
+
+def test_another_implementation_chosen_later_runs_the_blocks_own_forward() -> None:
+    model = _model("qwen3_moe")
+    ids = _ids()
+    torchgraft.adopt(model)
+    try:
+        model.config._experts_implementation = "batched_mm"  # switched after adoption
+        torchgraft.reset_stats()
+        with torchgraft.enabled(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(input_ids=ids, labels=ids, use_cache=False)
+        assert any(
+            issubclass(w.category, AdoptionFallbackWarning)
+            and "experts implementation is now 'batched_mm'" in str(w.message)
+            for w in caught
+        )
+        assert torchgraft.stats().get("native/torchgraft::moe_permute/CPU", {}).get("calls", 0) == 0
+    finally:
+        torchgraft.unadopt(model)
+
+
+def test_blocks_outside_the_plain_layout_are_skipped_with_the_reason() -> None:
+    model = _model("qwen3_moe")
+    model.model.layers[0].mlp.experts.has_bias = True
+    model.config._experts_implementation = "sonicmoe"  # a user's kernel choice is kept
+    report = torchgraft.adopt(model)
+    try:
+        rows = {r.path: r for r in _experts_rows(report)}
+        assert rows["model.layers.0.mlp.experts"].status == "skipped"
+        assert "biases" in rows["model.layers.0.mlp.experts"].reason
+        assert rows["model.layers.1.mlp.experts"].status == "skipped"
+        assert "'sonicmoe' chosen" in rows["model.layers.1.mlp.experts"].reason
+    finally:
+        torchgraft.unadopt(model)
+
+
+def test_compiled_adopted_block_has_no_graph_break() -> None:
+    """fullgraph compile of an adopted block, forward and backward: the permutation ops trace
+    through their fake kernels. bfloat16: transformers' grouped GEMM under torch.compile takes
+    torch's kernel only for bfloat16 (its fallback for other dtypes does not trace backward)."""
+    model = _model("qwen3_moe", dtype=torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(16, 32, generator=gen).bfloat16().requires_grad_(True)
+    index = torch.rand(16, 8, generator=gen).argsort(dim=-1)[:, :2]
+    weights = torch.rand(16, 2, generator=gen).bfloat16()
+    upstream = torch.randn(16, 32, generator=gen).bfloat16()
+    torchgraft.adopt(model)
+    try:
+        with torchgraft.enabled():
+            want = experts(hidden, index, weights)
+            (want_grad,) = torch.autograd.grad(want, hidden, upstream)
+            compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+            got = compiled(hidden, index, weights)
+            (got_grad,) = torch.autograd.grad(got, hidden, upstream)
+    finally:
+        torchgraft.unadopt(model)
+        torch._dynamo.reset()
+    assert _rel(got, want) < 1e-2
+    assert _rel(got_grad, want_grad) < 1e-2
