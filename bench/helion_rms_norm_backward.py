@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import helion
@@ -113,8 +114,9 @@ def main() -> None:
         "helion": metadata.version("helion"),
         **(sweep() if which == "sweep" else shapes()),
     }
-    with open(f"{out_dir}/helion_rms_norm_backward_{which}.json", "w") as f:
-        json.dump(result, f, indent=1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"helion_rms_norm_backward_{which}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
