@@ -4,7 +4,8 @@ module defines the ops and their fake functions (:mod:`.fake`).
 - ``moe_permute``'s gradient w.r.t. ``hidden`` is ``moe_unpermute`` of the output's gradient
   without weights (each token sums the gradients of its real slots).
 - ``moe_unpermute``'s gradients w.r.t. ``y`` and ``weights`` come from one call of
-  ``torchgraft::moe_unpermute_backward``.
+  ``torchgraft::moe_unpermute_backward``; without weights, ``y``'s is ``moe_permute`` of the
+  output's gradient (and ``y`` is not saved).
 
 Each formula needs the permutation the op was not given (``inv_perm`` for ``moe_permute``,
 ``perm`` for ``moe_unpermute``): one scatter of ``S`` indices in the backward.
@@ -42,8 +43,9 @@ def _grad_permute(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
 
 def _save_unpermute(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     y, inv_perm, valid, weights, top_k = inputs
-    ctx.save_for_backward(y, inv_perm, valid, weights)
-    ctx.top_k = top_k
+    # y is read only for the weights' gradient: without weights it is not kept alive.
+    ctx.save_for_backward(y if weights is not None else None, inv_perm, valid, weights)
+    ctx.top_k, ctx.dtype = top_k, y.dtype
 
 
 def _grad_unpermute(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
@@ -51,17 +53,15 @@ def _grad_unpermute(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
     if grad is None:
         return None, None, None, None, None
     perm = inverse_permutation(inv_perm)
+    if weights is None:
+        # dy[s] = grad[perm[s] // top_k] for the real slots: the permutation itself.
+        dy = torch.ops.torchgraft.moe_permute(grad.to(ctx.dtype), perm, valid, ctx.top_k)
+        return dy, None, None, None, None
     dy, dweights = torch.ops.torchgraft.moe_unpermute_backward(
-        grad.to(y.dtype), y, perm, inv_perm, valid, weights, ctx.top_k
+        grad.to(ctx.dtype), y, perm, inv_perm, valid, weights, ctx.top_k
     )
     wants_y, wants_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-    return (
-        dy if wants_y else None,
-        None,
-        None,
-        dweights if wants_weights and weights is not None else None,
-        None,
-    )
+    return dy if wants_y else None, None, None, dweights if wants_weights else None, None
 
 
 # The ops' autograd, and what torchgraft.functional calls.

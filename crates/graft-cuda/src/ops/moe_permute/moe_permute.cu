@@ -203,27 +203,29 @@ __device__ void unpermute_backward(const MoeParams& p) {
 
 }  // namespace graft_moe
 
-// Entry points, 256 threads per block (mod.rs launches them so; any multiple of 32 works):
+// Entry points, 256 threads per block (mod.rs launches them so; any multiple of 32 works), at
+// least 4 blocks per SM: up to 64 registers a thread (with no minimum, ptxas gave the unweighted
+// unpermute 32 on sm_100 and spilled):
 //   graft_moe_permute_{f32,f64,f16,bf16}
 //   graft_moe_unpermute_{dt}_{none,same,acc}, graft_moe_unpermute_bwd_{dt}_{none,same,acc}
 // with the weights of none, of the element type (same) or of its accumulation type (acc).
-#define GRAFT_MOE_WEIGHTED(DT, T, WN, W, WEIGHTED)                                      \
-  extern "C" __global__ void __launch_bounds__(256)                                     \
-      graft_moe_unpermute_##DT##_##WN(const graft_moe::MoeParams p) {                   \
-    graft_moe::unpermute<T, W, WEIGHTED>(p);                                            \
-  }                                                                                     \
-  extern "C" __global__ void __launch_bounds__(256)                                     \
-      graft_moe_unpermute_bwd_##DT##_##WN(const graft_moe::MoeParams p) {               \
-    graft_moe::unpermute_backward<T, W, WEIGHTED>(p);                                   \
+#define GRAFT_MOE_WEIGHTED(DT, T, WN, W, WEIGHTED)                                         \
+  extern "C" __global__ void __launch_bounds__(256, 4)                                     \
+      graft_moe_unpermute_##DT##_##WN(const graft_moe::MoeParams p) {                      \
+    graft_moe::unpermute<T, W, WEIGHTED>(p);                                               \
+  }                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256, 4)                                     \
+      graft_moe_unpermute_bwd_##DT##_##WN(const graft_moe::MoeParams p) {                  \
+    graft_moe::unpermute_backward<T, W, WEIGHTED>(p);                                      \
   }
 
-#define GRAFT_MOE(DT, T)                                                                \
-  extern "C" __global__ void __launch_bounds__(256)                                     \
-      graft_moe_permute_##DT(const graft_moe::MoeParams p) {                            \
-    graft_moe::permute<T>(p);                                                           \
-  }                                                                                     \
-  GRAFT_MOE_WEIGHTED(DT, T, none, T, false)                                             \
-  GRAFT_MOE_WEIGHTED(DT, T, same, T, true)                                              \
+#define GRAFT_MOE(DT, T)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256, 4)                                     \
+      graft_moe_permute_##DT(const graft_moe::MoeParams p) {                               \
+    graft_moe::permute<T>(p);                                                              \
+  }                                                                                        \
+  GRAFT_MOE_WEIGHTED(DT, T, none, T, false)                                                \
+  GRAFT_MOE_WEIGHTED(DT, T, same, T, true)                                                 \
   GRAFT_MOE_WEIGHTED(DT, T, acc, graft_common::Acc<T>::type, true)
 
 GRAFT_MOE(f32, float)
