@@ -9,6 +9,7 @@ pub(crate) mod layer_norm;
 pub(crate) mod rms_norm;
 pub(crate) mod rope;
 pub(crate) mod softmax;
+pub(crate) mod topk_softmax;
 
 use crate::runtime::kernels::Kernel;
 
@@ -22,6 +23,7 @@ const TABLES: &[fn() -> Vec<Kernel>] = &[
     layer_norm::kernel_table,
     rope::kernel_table,
     cross_entropy::kernel_table,
+    topk_softmax::kernel_table,
 ];
 
 /// The crate's kernel table: every op's kernels.
