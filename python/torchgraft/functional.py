@@ -57,6 +57,8 @@ __all__ = [
 _GELU_APPROXIMATIONS = ("none", "tanh")
 # The devices whose kernels run here and have an autocast state.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+# The devices torchgraft::topk_softmax has kernels for (meta tensors take the reference too).
+_TOPK_DEVICES = ("cpu", "cuda")
 
 
 def _glu_kernel_takes(gate: Tensor, up: Tensor) -> bool:
@@ -413,14 +415,14 @@ def topk_softmax(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[
         float64 logits), as the models' ``softmax(..., dtype=torch.float)`` gives them, and the
         experts as int64. The weights are differentiable with respect to ``logits``.
 
-    The kernel runs on the CPU (Rust); other devices, other dtypes, other shapes and an
-    out-of-range ``k`` compute the same with torch's ops (``softmax``, ``topk``), so their
-    errors are torch's.
+    The kernels run on the CPU (Rust) and CUDA (one warp per token); other devices, other
+    dtypes, other shapes and an out-of-range ``k`` compute the same with torch's ops
+    (``softmax``, ``topk``), so their errors are torch's.
     """
     takes = (
         logits.dtype in _FLOATS
         and logits.dim() == 2
-        and logits.device.type == "cpu"
+        and logits.device.type in _TOPK_DEVICES
         and 1 <= k <= logits.shape[1]
     )
     if not takes:

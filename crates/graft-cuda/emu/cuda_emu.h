@@ -78,6 +78,10 @@ inline dim3 blockDim, gridDim;
 #define blockIdx (dim3{graft_emu::t_bid, 0, 0})
 
 inline void __syncthreads() { graft_emu::wait(graft_emu::g_block->bar); }
+// A barrier of the running thread's warp (every lane of it takes part).
+inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
+  graft_emu::wait(graft_emu::g_block->warp_bar[graft_emu::t_tid / 32]);
+}
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned /*mask*/, T v, int o) {

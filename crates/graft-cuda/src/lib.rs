@@ -44,6 +44,9 @@ pub use ops::rms_norm::{
 };
 pub use ops::rope::{rope, RopeArgs, RopeOperand};
 pub use ops::softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
+pub use ops::topk_softmax::{
+    topk_softmax_backward, topk_softmax_forward, TopkSoftmaxBackward, TopkSoftmaxForward,
+};
 pub use runtime::config::{DeviceLimits, KernelAttrs};
 pub use runtime::error::{CudaError, ErrorKind};
 pub use runtime::fatbin;

@@ -3,5 +3,5 @@ probabilities and their experts, optionally renormalized (Qwen3-MoE's, Mixtral's
 
 ``reference`` holds the eager composite (what the models write) and its float64 form; ``fake``
 and ``autograd`` give ``torch.ops.torchgraft.topk_softmax`` its fake function and autograd
-(kernel: Rust on CPU; CUDA inputs take the reference in ``torchgraft.functional``).
+(kernels: Rust on CPU, CUDA C++ on CUDA).
 """

@@ -1,12 +1,12 @@
 //! Mixture-of-experts routing: `torchgraft::topk_softmax` (softmax over each row of router
 //! logits, the `k` largest probabilities and their experts, optionally renormalized) and its
-//! backward, on CPU (graft-kernels). No CUDA kernel yet: `torchgraft.functional.topk_softmax`
-//! computes CUDA inputs with torch's own ops.
+//! backward, on CPU (graft-kernels) and CUDA (graft-cuda).
 //!
 //! `logits` is `(rows, experts)` of a floating dtype; the weights are float32 (float64 for
 //! float64 logits), the indices int64, both `(rows, k)` and contiguous.
 
 pub mod cpu;
+pub mod cuda;
 
 use graft_abi::{ensure, Checked, DType, DeviceType, Operands, Result, Tensor};
 
