@@ -229,8 +229,8 @@ def _dtype_pairs(module: nn.Module) -> list[tuple[torch.dtype, torch.dtype]]:
 
 
 def _cases(module: nn.Module, dtypes: list[tuple[torch.dtype, torch.dtype]]) -> list[Case]:
-    """Random tokens, experts, routing and expert weights (distinct experts per token, every
-    expert hit), in each dtype pair; gradients of the states, the weights and both projections."""
+    """Random tokens, experts (distinct per token), routing and expert weights, in each dtype
+    pair; gradients of the states, the weights and both projections."""
     experts = module.num_experts
     gen = torch.Generator().manual_seed(0)
     device = module.gate_up_proj.device
