@@ -236,3 +236,17 @@ class SdpaCalls:
                 mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
                 self.calls.append((mask is not None, node.kwargs.get("is_causal")))
         return gm
+
+
+MOE_COMMON = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.1,
+}
+"""The tiny MoE configs' shared fields (the router and experts adoption tests)."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchgraft
+from adopt_helpers import MOE_COMMON
 from torchgraft.adopt import AdoptionFallbackWarning
 
 pytestmark = pytest.mark.default_torch
@@ -17,17 +18,7 @@ pytestmark = pytest.mark.default_torch
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
-COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_experts_per_tok": 2,
-    "output_router_logits": True,
-    "router_aux_loss_coef": 0.1,
-}
+COMMON = MOE_COMMON
 CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON, moe_intermediate_size=16, num_experts=8, norm_topk_prob=True
