@@ -249,4 +249,32 @@ MOE_COMMON = {
     "output_router_logits": True,
     "router_aux_loss_coef": 0.1,
 }
-"""The tiny MoE configs' shared fields (the router and experts adoption tests)."""
+"""The tiny MoE configs' shared fields (the router, experts and head adoption tests)."""
+
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+
+
+def tiny_moe_model(
+    family: str, implementation: str = "grouped_mm", dtype: torch.dtype = torch.float32, **config
+) -> nn.Module:
+    """A tiny transformers MoE model (``family`` in :data:`MOE_FAMILIES`) from a config, in train
+    mode, its routers drawn at random (they start at zeros, where every expert would tie);
+    ``config`` overrides the config's fields."""
+    import transformers
+
+    fields = {**MOE_COMMON, **config}
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **fields, moe_intermediate_size=16, num_experts=8, norm_topk_prob=True
+        ),
+        "olmoe": lambda: transformers.OlmoeConfig(**fields, num_experts=8),
+        "mixtral": lambda: transformers.MixtralConfig(**fields, num_local_experts=8),
+    }
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        configs[family](), experts_implementation=implementation, dtype=dtype
+    )
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            torch.nn.init.normal_(module.weight, std=0.5)
+    return model.train()

@@ -9,12 +9,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchgraft
 from adopt_helpers import (
+    MOE_COMMON,
     VOCAB,
     batch,
     enabled_throughout,
     instance_forwards,
     rel_err,
     tiny_model,
+    tiny_moe_model,
     train_step,
 )
 from torchgraft import native
@@ -142,3 +144,63 @@ def test_compiled_adopted_model_trains():
     for name, grad in ref.grads.items():
         assert rel_err(step.grads[name], grad) <= 1e-4, name
     torchgraft.unadopt(model)
+
+
+def _moe_step(model, ids, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    aux = None if out.aux_loss is None else out.aux_loss.detach()
+    return out, aux, grads
+
+
+@pytest.mark.parametrize(
+    ("family", "config_router_logits"),
+    [("qwen3_moe", True), ("qwen3_moe", False), ("olmoe", True), ("mixtral", False)],
+)
+def test_moe_loss_keeps_the_router_loss(family, config_router_logits):
+    """MoE models add the routers' load-balancing loss to the loss, when their config or the
+    call asks for it (reading the attention mask): the fused path adds the same."""
+    stock = tiny_moe_model(family, output_router_logits=config_router_logits)
+    model = tiny_moe_model(family, output_router_logits=config_router_logits)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, MOE_COMMON["vocab_size"], (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    calls = [{}, {"output_router_logits": True, "attention_mask": mask}]
+    refs = [_moe_step(stock, ids, **kw) for kw in calls]
+    row = _head_row(torchgraft.adopt(model))
+    try:
+        assert (row.status, row.route) == (
+            ADOPTED,
+            "fused head + loss + router loss -> torchgraft::linear_cross_entropy",
+        ), row.reason
+        for kw, (ref, ref_aux, ref_grads) in zip(calls, refs, strict=True):
+            out, aux, grads = _moe_step(model, ids, **kw)
+            assert out.logits is None
+            assert (aux is None) == (ref_aux is None) == (not (config_router_logits or kw))
+            if aux is not None:
+                assert abs(float(aux) - float(ref_aux)) <= 1e-6 * abs(float(ref_aux))
+            assert abs(float(out.loss) - float(ref.loss)) <= 1e-5 * abs(float(ref.loss))
+            assert grads.keys() == ref_grads.keys()
+            for name, grad in ref_grads.items():
+                assert rel_err(grads[name], grad) <= 1e-4, name
+    finally:
+        torchgraft.unadopt(model)
+
+
+def test_moe_router_loss_of_another_kind_is_skipped():
+    """A forward that takes ``output_router_logits`` but adds its router loss otherwise than
+    transformers' ``load_balancing_loss_func`` keeps its own head."""
+    model = tiny_moe_model("qwen3_moe")
+    parent = type(model)
+
+    class OwnRouterLoss(parent):  # its forward's globals (this file) have no such function
+        def forward(self, *args, output_router_logits=None, **kwargs):
+            return parent.forward(self, *args, output_router_logits=output_router_logits, **kwargs)
+
+    model.__class__ = OwnRouterLoss
+    row = _head_row(torchgraft.adopt(model))
+    torchgraft.unadopt(model)
+    assert row.status == SKIPPED and "load_balancing_loss_func" in row.reason, row.reason

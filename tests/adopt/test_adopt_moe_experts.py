@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchgraft
-from adopt_helpers import MOE_COMMON
+from adopt_helpers import MOE_FAMILIES, tiny_moe_model
 from torchgraft.adopt import AdoptionFallbackWarning
 
 pytestmark = pytest.mark.default_torch
@@ -18,26 +18,6 @@ pytestmark = pytest.mark.default_torch
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
-COMMON = MOE_COMMON
-CONFIGS = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **COMMON, moe_intermediate_size=16, num_experts=8, norm_topk_prob=True
-    ),
-    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=8),
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=8),
-}
-
-
-def _model(family: str, implementation: str = "grouped_mm", dtype=torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = CONFIGS[family]()
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, experts_implementation=implementation, dtype=dtype
-    )
-    for module in model.modules():  # the routers start at zeros: every expert would tie
-        if type(module).__name__.endswith("TopKRouter"):
-            torch.nn.init.normal_(module.weight, std=0.5)
-    return model.train()
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -61,9 +41,9 @@ def _experts_rows(report: torchgraft.AdoptionReport) -> list:
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_experts_are_adopted_and_train_like_stock(family: str, implementation: str) -> None:
-    stock, model = _model(family, implementation), _model(family, implementation)
+    stock, model = tiny_moe_model(family, implementation), tiny_moe_model(family, implementation)
     ids = _ids()
     want_loss, want_grads = _step(stock, ids)
     report = torchgraft.adopt(model)
@@ -91,8 +71,8 @@ def test_experts_are_adopted_and_train_like_stock(family: str, implementation: s
 
 def test_bfloat16_experts_match_stock_within_bfloat16() -> None:
     stock, model = (
-        _model("qwen3_moe", dtype=torch.bfloat16),
-        _model("qwen3_moe", dtype=torch.bfloat16),
+        tiny_moe_model("qwen3_moe", dtype=torch.bfloat16),
+        tiny_moe_model("qwen3_moe", dtype=torch.bfloat16),
     )
     ids = _ids(2)
     want_loss, want_grads = _step(stock, ids)
@@ -112,7 +92,7 @@ def test_bfloat16_experts_match_stock_within_bfloat16() -> None:
 def test_out_of_range_experts_count_as_zero_like_grouped_mm() -> None:
     """Expert parallelism's sentinels (ids >= num_experts) contribute nothing, forward and
     backward, as in transformers' grouped_mm implementation."""
-    model = _model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(10, 32, generator=gen, requires_grad=True)
@@ -147,7 +127,7 @@ def test_the_blocks_own_gating_and_its_hooks_run_inside_the_replacement() -> Non
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate.clamp(max=0.5)) * (up.clamp(-0.5, 0.5) + 1)
 
-    stock, model = _model("qwen3_moe"), _model("qwen3_moe")
+    stock, model = tiny_moe_model("qwen3_moe"), tiny_moe_model("qwen3_moe")
     for m in (stock, model):
         for layer in m.model.layers:
             layer.mlp.experts._apply_gate = clamped.__get__(layer.mlp.experts)
@@ -174,7 +154,7 @@ def test_the_blocks_own_gating_and_its_hooks_run_inside_the_replacement() -> Non
 
 
 def test_another_implementation_chosen_later_runs_the_blocks_own_forward() -> None:
-    model = _model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     ids = _ids()
     torchgraft.adopt(model)
     try:
@@ -194,7 +174,7 @@ def test_another_implementation_chosen_later_runs_the_blocks_own_forward() -> No
 
 
 def test_blocks_outside_the_plain_layout_are_skipped_with_the_reason() -> None:
-    model = _model("qwen3_moe")
+    model = tiny_moe_model("qwen3_moe")
     model.model.layers[0].mlp.experts.has_bias = True
     model.config._experts_implementation = "sonicmoe"  # a user's kernel choice is kept
     report = torchgraft.adopt(model)
@@ -212,7 +192,7 @@ def test_compiled_adopted_block_has_no_graph_break() -> None:
     """fullgraph compile of an adopted block, forward and backward: the permutation ops trace
     through their fake kernels. bfloat16: transformers' grouped GEMM under torch.compile takes
     torch's kernel only for bfloat16 (its fallback for other dtypes does not trace backward)."""
-    model = _model("qwen3_moe", dtype=torch.bfloat16)
+    model = tiny_moe_model("qwen3_moe", dtype=torch.bfloat16)
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(4)
     hidden = torch.randn(16, 32, generator=gen).bfloat16().requires_grad_(True)

@@ -7,7 +7,8 @@ their float32 copy and their gradient. The replacement forward runs the model's 
 (``self.model``), then the fused, chunked head + loss on its last hidden state, with
 ``ForCausalLMLoss``'s semantics (labels shifted left and padded with ``ignore_index`` unless
 ``shift_labels`` is given; mean over the tokens not ignored, or a sum divided by
-``num_items_in_batch``).
+``num_items_in_batch``). transformers' MoE models (``output_router_logits``) add their routers'
+load-balancing loss as their own forward does, with the ``load_balancing_loss_func`` it calls.
 
 It takes that path only when it changes nothing but the memory: the module is training, labels
 are given, every position's logits are asked for (``logits_to_keep=0``) and a dict output is
@@ -15,13 +16,15 @@ expected. Then the output's ``logits`` is ``None`` (as Liger-Kernel's fused loss
 training); every other call runs the model's own forward unchanged. Found on modules with a
 base model (``base_model_prefix``), an ``nn.Linear`` ``lm_head`` without hooks and transformers'
 ``ForCausalLMLoss``; skipped where the logits are transformed after the head (Gemma 2/3's final
-soft-capping), and, like every adopter, adopted only where the probe (the whole model's loss and
-the head's and embedding's gradients, on a short random batch) agrees with the model's own.
+soft-capping) or a MoE forward adds another router loss, and, like every adopter, adopted only
+where the probe (the whole model's loss and the head's and embedding's gradients, on a short
+random batch; a MoE model's router loss too) agrees with the model's own.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +45,49 @@ def _shifted_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def _takes_fused_path(
+    self: nn.Module, labels: object, logits_to_keep: object, kwargs: dict[str, object]
+) -> bool:
+    """Whether the fused path gives what the model's own forward gives, less the logits."""
+    if not (self.training and labels is not None):
+        return False
+    if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+        return False
+    return_dict = kwargs.get("return_dict")
+    if return_dict is None:  # the config's, as transformers' forward reads it
+        return_dict = getattr(self.config, "return_dict", True)
+    return bool(return_dict)
+
+
+def _head_loss(
+    self: nn.Module,
+    linear_cross_entropy: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    kwargs: dict[str, object],
+) -> torch.Tensor:
+    """``ForCausalLMLoss(lm_head(hidden), labels, **kwargs)`` without the logits."""
+    ignore_index = int(kwargs.get("ignore_index", -100))  # type: ignore[call-overload]
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = _shifted_labels(labels, ignore_index)
+    assert isinstance(shift_labels, torch.Tensor)
+    num_items = kwargs.get("num_items_in_batch")
+    loss = linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        self.lm_head.weight,
+        shift_labels.reshape(-1).to(hidden.device),
+        bias=self.lm_head.bias,
+        ignore_index=ignore_index,
+        reduction="mean" if num_items is None else "sum",
+    )
+    if num_items is not None:
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+    return loss
+
+
 def _replacement(linear_cross_entropy: Callable[..., torch.Tensor]) -> Variant:
     def forward(
         self: nn.Module,
@@ -55,56 +101,22 @@ def _replacement(linear_cross_entropy: Callable[..., torch.Tensor]) -> Variant:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: object,
     ) -> object:
-        fused = (
-            self.training
-            and labels is not None
-            and isinstance(logits_to_keep, int)
-            and logits_to_keep == 0
-            and kwargs.get("return_dict", True) is not False
-        )
-        if not fused:
-            return type(self).forward(
-                self,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "inputs_embeds": inputs_embeds,
+            "use_cache": use_cache,
+        }
+        if not _takes_fused_path(self, labels, logits_to_keep, kwargs):
+            own = type(self).forward
+            return own(self, labels=labels, logits_to_keep=logits_to_keep, **inputs, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        outputs = getattr(self, self.base_model_prefix)(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        hidden = outputs.last_hidden_state
-        ignore_index = int(kwargs.get("ignore_index", -100))  # type: ignore[call-overload]
-        shift_labels = kwargs.get("shift_labels")
-        if shift_labels is None:
-            shift_labels = _shifted_labels(labels, ignore_index)
-        assert isinstance(shift_labels, torch.Tensor)
-        num_items = kwargs.get("num_items_in_batch")
-        loss = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),
-            self.lm_head.weight,
-            shift_labels.reshape(-1).to(hidden.device),
-            bias=self.lm_head.bias,
-            ignore_index=ignore_index,
-            reduction="mean" if num_items is None else "sum",
-        )
-        if num_items is not None:
-            if isinstance(num_items, torch.Tensor):
-                num_items = num_items.to(loss.device)
-            loss = loss / num_items
+        outputs = getattr(self, self.base_model_prefix)(**inputs, **kwargs)
+        assert labels is not None
+        loss = _head_loss(self, linear_cross_entropy, outputs.last_hidden_state, labels, kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,
@@ -117,6 +129,94 @@ def _replacement(linear_cross_entropy: Callable[..., torch.Tensor]) -> Variant:
     return Variant("fused head + loss", "torchgraft::linear_cross_entropy", forward)
 
 
+def _moe_replacement(linear_cross_entropy: Callable[..., torch.Tensor]) -> Variant:
+    """The same for transformers' MoE models, whose loss adds the routers' load-balancing loss
+    (``output_router_logits``): computed as their forward computes it, with the
+    ``load_balancing_loss_func`` that forward calls."""
+
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: object = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: object,
+    ) -> object:
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "inputs_embeds": inputs_embeds,
+            "use_cache": use_cache,
+        }
+        if not _takes_fused_path(self, labels, logits_to_keep, kwargs):
+            own = type(self).forward
+            return own(
+                self,
+                labels=labels,
+                output_router_logits=output_router_logits,
+                logits_to_keep=logits_to_keep,
+                **inputs,
+                **kwargs,
+            )
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        base = getattr(self, self.base_model_prefix)
+        outputs = base(**inputs, output_router_logits=output_router_logits, **kwargs)
+        assert labels is not None
+        loss = _head_loss(self, linear_cross_entropy, outputs.last_hidden_state, labels, kwargs)
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = load_balancing_loss(self)(
+                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+            )
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+    forward.__qualname__ = "causal_lm_head[linear_cross_entropy, router loss].forward"
+    return Variant("fused head + loss + router loss", "torchgraft::linear_cross_entropy", forward)
+
+
+def load_balancing_loss(module: nn.Module) -> Callable[..., torch.Tensor]:
+    """The ``load_balancing_loss_func`` that ``module``'s own forward calls (a global of the
+    file that defines it)."""
+    return inspect.unwrap(type(module).forward).__globals__["load_balancing_loss_func"]
+
+
+def _takes_router_logits(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is a MoE model's (it takes ``output_router_logits``)."""
+    return "output_router_logits" in inspect.signature(type(module).forward).parameters
+
+
+def _router_loss_unknown(module: nn.Module) -> str:
+    """Why a forward that takes ``output_router_logits`` does not add its router loss the way
+    :func:`_moe_replacement` does (empty when it does, as far as can be seen before the probe:
+    transformers' ``load_balancing_loss_func`` pattern)."""
+    own = inspect.unwrap(type(module).forward)
+    if not callable(own.__globals__.get("load_balancing_loss_func")):
+        return "its forward takes output_router_logits but calls no load_balancing_loss_func"
+    for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"):
+        if not isinstance(getattr(module, name, None), (int, float)):
+            return f"its forward takes output_router_logits but the model has no {name}"
+    return ""
+
+
 class CausalLMHeadAdopter:
     """A causal LM's ``lm_head`` and loss in training (transformers ``*ForCausalLM``)."""
 
@@ -124,7 +224,7 @@ class CausalLMHeadAdopter:
     finds = "base model + nn.Linear lm_head + loss_function == transformers' ForCausalLMLoss"
 
     def __init__(self) -> None:
-        self._variant: tuple[Callable[..., object], Variant] | None = None
+        self._variants: dict[tuple[object, bool], Variant] = {}
 
     def candidates(self, model: nn.Module, ctx: Context) -> Iterator[Candidate]:
         for path, module in model.named_modules():
@@ -140,11 +240,12 @@ class CausalLMHeadAdopter:
         if fn is None or why:
             c.status, c.reason = SKIPPED, why
             return c
-        if self._variant is None or self._variant[0] is not fn:
-            self._variant = (fn, _replacement(fn))
+        moe = _takes_router_logits(module)
+        if (fn, moe) not in self._variants:
+            self._variants[fn, moe] = (_moe_replacement if moe else _replacement)(fn)
         c.own = module.forward
-        c.variants = (self._variant[1],)
-        c.cases = functools.partial(_cases, module)
+        c.variants = (self._variants[fn, moe],)
+        c.cases = functools.partial(_cases, module, moe)
         c.run = functools.partial(_run, module)
         c.preference_key = (self.kind, type(module))
         c.check = recheck
@@ -174,6 +275,8 @@ def _not_plain(module: nn.Module) -> str:
         return "no base model (base_model_prefix) to run without the head"
     if head.weight.is_meta:
         return "parameters on the meta device: load the weights first"
+    if _takes_router_logits(module) and (why := _router_loss_unknown(module)):
+        return why
     return _logits_transformed(module)
 
 
@@ -227,9 +330,11 @@ def recheck(
     return _logits_transformed(module, per_call=True)
 
 
-def _cases(module: nn.Module) -> list[Case]:
+def _cases(module: nn.Module, moe: bool) -> list[Case]:
     """A short random batch in train mode (the only mode the fused path serves), with padding
-    labels, and once more as gradient accumulation passes it (``num_items_in_batch``)."""
+    labels, and once more as gradient accumulation passes it (``num_items_in_batch``). A MoE
+    model also runs with its router loss asked for and an attention mask with padding (which
+    that loss reads), whatever its config says."""
     gen = torch.Generator().manual_seed(0)
     vocab = module.lm_head.weight.shape[0]
     device = module.lm_head.weight.device
@@ -244,16 +349,17 @@ def _cases(module: nn.Module) -> list[Case]:
         )
     )
     common = {"input_ids": ids, "labels": labels}
-    return [
+    extra = {"num_items_in_batch": torch.tensor(11, device=device)}
+    cases = [
         Case("train", (), dict(common), leaves=leaves, training=True),
-        Case(
-            "train, num_items_in_batch",
-            (),
-            {**common, "num_items_in_batch": torch.tensor(11, device=device)},
-            leaves=leaves,
-            training=True,
-        ),
+        Case("train, num_items_in_batch", (), {**common, **extra}, leaves=leaves, training=True),
     ]
+    if moe:
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        routed = {**common, "output_router_logits": True, "attention_mask": mask}
+        cases.append(Case("train, router loss", (), routed, leaves=leaves, training=True))
+    return cases
 
 
 def _input_embedding_weight(module: nn.Module) -> torch.Tensor | None:
@@ -264,6 +370,8 @@ def _input_embedding_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 def _run(module: nn.Module, fn: Callable[..., object], case: Case) -> object:
-    """The loss: the one output both paths give (the fused one has no logits)."""
+    """The loss (and a MoE model's router loss): the outputs both paths give (the fused one has
+    no logits)."""
     with training_mode(module, case.training):
-        return fn(*case.args, **case.kwargs).loss  # type: ignore[attr-defined]
+        out = fn(*case.args, **case.kwargs)
+    return out.loss, getattr(out, "aux_loss", None)  # type: ignore[attr-defined]
