@@ -23,6 +23,7 @@ from torchgraft.adopt.default_positions import DefaultPositionsAdopter
 from torchgraft.adopt.gated_mlp import GatedMLPAdopter
 from torchgraft.adopt.guard import Guard, GuardedFunction, guarded_forward
 from torchgraft.adopt.hub_layers import HubLayerReporter
+from torchgraft.adopt.moe_balance_loss import MoEBalanceLossAdopter
 from torchgraft.adopt.moe_experts import MoEExpertsAdopter
 from torchgraft.adopt.moe_router import MoERouterAdopter
 from torchgraft.adopt.probe import Verdict, compare
@@ -43,6 +44,7 @@ ADOPTERS: tuple[Adopter, ...] = (
     RopeAdopter(),
     MoERouterAdopter(),
     MoEExpertsAdopter(),
+    MoEBalanceLossAdopter(),  # the routers' load-balancing loss, sync-free
     CausalMaskAdopter(),  # SDPA's is_causal under torch.compile
     DefaultPositionsAdopter(),  # ... also where the model derives its positions
     CausalLMHeadAdopter(),  # training with labels: no logits
