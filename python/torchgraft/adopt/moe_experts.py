@@ -26,8 +26,11 @@ permutation ops count them as zero, so no mask is needed.
 Adopted only where the layout is the plain one (a gate, ``[gate; up]`` concatenated, no biases)
 and the model runs one of transformers' own implementations (``grouped_mm``, ``batched_mm``,
 ``eager``); every candidate is probed against its own forward with random experts, weights and
-routing, forward and backward. The gating stays the model's: a fused SwiGLU on the
-``[gate; up]`` layout is not built yet (docs/moe.md).
+routing, forward and backward. The gating between the GEMMs is ``functional.swiglu_packed`` (one
+pass over the ``[gate; up]`` layout, its gradient written over that intermediate) where the block
+uses transformers' default gating with an activation the probe finds to be SiLU, and no hooks
+would be skipped; the block's own ``_apply_gate`` otherwise (GPT-OSS-style gating, other
+activations, hooks on ``act_fn``: checked on every call).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchgraft.adopt import guard
 from torchgraft.adopt.base import Candidate, Context, Variant
 from torchgraft.adopt.probe import Case, random_tensor, swapped_parameters, training_mode
 from torchgraft.adopt.report import SKIPPED
@@ -64,7 +68,14 @@ class Verified:
     """(hidden, routing weights) dtype pairs the probe covered."""
 
 
-def _variant(ops: tuple[Callable[..., object], ...], grouped_mm: GroupedMM) -> Variant:
+def _variant(
+    ops: tuple[Callable[..., object], ...],
+    grouped_mm: GroupedMM,
+    swiglu: tuple[Callable[..., torch.Tensor], type] | None = None,
+) -> Variant:
+    """The replacement forward; with ``swiglu`` (``functional.swiglu_packed`` and the
+    activation class it was verified against), the gating fused on the ``[gate; up]`` layout
+    wherever it computes what the block's own gating would (see :func:`_fused_gate_applies`)."""
     sort, permute, unpermute = ops
 
     def grouped_linear(
@@ -83,12 +94,43 @@ def _variant(ops: tuple[Callable[..., object], ...], grouped_mm: GroupedMM) -> V
         perm, inv_perm, offsets, valid = sort(top_k_index, self.num_experts)  # type: ignore[misc]
         rows = permute(hidden_states, perm, valid, top_k)
         gate_up = grouped_linear(rows, self.gate_up_proj, offsets, self.is_transposed)
-        out = grouped_linear(self._apply_gate(gate_up), self.down_proj, offsets, self.is_transposed)
+        if swiglu is not None and _fused_gate_applies(self, swiglu[1]):
+            # gate_up is this forward's own intermediate: its gradient may overwrite it.
+            gated = swiglu[0](gate_up, inplace_backward=True)
+        else:
+            gated = self._apply_gate(gate_up)
+        out = grouped_linear(gated, self.down_proj, offsets, self.is_transposed)
         summed = unpermute(out, inv_perm, valid, top_k_weights, top_k)
         return summed.to(hidden_states.dtype)  # type: ignore[union-attr]
 
-    forward.__qualname__ = "moe_experts[grouped].forward"
-    return Variant("grouped, the model's gating", OP, forward)
+    if swiglu is None:
+        forward.__qualname__ = "moe_experts[grouped].forward"
+        return Variant("grouped, the model's gating", OP, forward, fallback=True)
+    forward.__qualname__ = "moe_experts[grouped, swiglu_packed].forward"
+    return Variant("grouped, fused SwiGLU", OP, forward)
+
+
+def _fused_gate_applies(module: nn.Module, activation: type) -> bool:
+    """Whether ``swiglu_packed`` computes what ``module._apply_gate`` would, and nothing runs
+    around it that the fused op would skip: transformers' default gating, the activation class
+    verified on the probe, no hooks on it and no global module hooks. Plain attribute and dict
+    reads, on every call."""
+    act = module._modules["act_fn"]
+    return (
+        type(act) is activation
+        and "_apply_gate" not in module.__dict__
+        and getattr(type(module), "_apply_gate", None) is _default_apply_gate()
+        and not (act._forward_hooks or act._forward_pre_hooks)
+        and not guard.global_hooks()
+    )
+
+
+@functools.cache
+def _default_apply_gate() -> object:
+    """transformers' default gating (``chunk(2, -1)``, then ``act_fn(gate) * up``)."""
+    from transformers.integrations import moe
+
+    return getattr(moe, "_default_apply_gate", None)
 
 
 class MoEExpertsAdopter:
@@ -112,11 +154,16 @@ class MoEExpertsAdopter:
         if isinstance(plan, str):
             c.status, c.reason = SKIPPED, plan
             return c
-        if plan not in self._variants:
-            self._variants[plan] = _variant(*plan)
+        ops, grouped_mm, swiglu = plan
+        keys: list[tuple[object, ...]] = [(ops, grouped_mm, None)]
+        if swiglu is not None and _fused_gate_applies(module, type(module.act_fn)):
+            keys.insert(0, (ops, grouped_mm, (swiglu, type(module.act_fn))))
+        for key in keys:
+            if key not in self._variants:
+                self._variants[key] = _variant(*key)  # type: ignore[arg-type]
         dtypes = _dtype_pairs(module)
         c.own = module.forward
-        c.variants = (self._variants[plan],)
+        c.variants = tuple(self._variants[key] for key in keys)
         c.cases = functools.partial(_cases, module, dtypes)
         c.run = functools.partial(_run, module)
         c.preference_key = (self.kind, type(module))
@@ -125,12 +172,12 @@ class MoEExpertsAdopter:
         return c
 
 
-Plan = tuple[tuple[Callable[..., object], ...], GroupedMM]
+Plan = tuple[tuple[Callable[..., object], ...], GroupedMM, Callable[..., torch.Tensor] | None]
 
 
 def _plan(module: nn.Module, ctx: Context) -> Plan | str:
-    """The functions the replacement calls (the permutation ops, the grouped GEMM), or why the
-    block is not adopted."""
+    """The functions the replacement calls (the permutation ops, the grouped GEMM, the packed
+    SwiGLU where this build has it), or why the block is not adopted."""
     why = _not_plain(module)
     if why:
         return why
@@ -143,7 +190,8 @@ def _plan(module: nn.Module, ctx: Context) -> Plan | str:
         if fn is None:
             return missing
         found.append(fn)
-    return tuple(found), grouped_mm
+    swiglu, _ = ctx.functional_op("swiglu_packed")
+    return tuple(found), grouped_mm, swiglu  # type: ignore[return-value]
 
 
 def recheck(
