@@ -74,6 +74,7 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
         "torchgraft.grafts.attention.fa4_kernels",
         "torchgraft.grafts.rms_norm.quack_kernels",
         "torchgraft.grafts.rms_norm.helion_kernels",
+        "torchgraft.grafts.rms_norm.cutile_kernels",
     )
     clear_caches()
     reset_kernel_modules()
@@ -82,9 +83,9 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 def reset_kernel_modules() -> None:
     """Make every lazily imported kernel module import afresh (and forget failed imports)."""
     from torchgraft.grafts.attention.fa4_impl import FA4
-    from torchgraft.grafts.rms_norm.dsl_impl import HELION, QUACK
+    from torchgraft.grafts.rms_norm.dsl_impl import CUTILE, HELION, QUACK
 
-    for kernels in (FA4, QUACK, HELION):
+    for kernels in (FA4, QUACK, HELION, CUTILE):
         kernels.reset()
 
 

@@ -60,11 +60,11 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-ROUTES = ("native", "triton", "cutedsl", "helion")
+ROUTES = ("native", "triton", "cutedsl", "helion", "cutile")
 """The routes :func:`enable` can install: ``"native"`` (Rust CPU and CUDA C++ kernels through the
 stable C ABI), and the op library's DSL kernels through the registry, on CUDA: ``"triton"``
-(RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's RMSNorm) and ``"helion"``
-(RMSNorm)."""
+(RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's RMSNorm), ``"helion"``
+(RMSNorm) and ``"cutile"`` (RMSNorm)."""
 
 # When enable() without routes installs each (route, op package): always (where a GPU is), only
 # where the native route has no CUDA kernels (the same op, with less host overhead), or only when
@@ -82,6 +82,8 @@ _GRAFTS: tuple[tuple[str, Any, str], ...] = (
     # quack's RMSNorm ran on par with the native kernel (182.8 vs 183.4 us at 8x4096x4096).
     ("cutedsl", rms_norm, _NAMED),
     ("helion", rms_norm, _NAMED),
+    # Not yet run on a GPU (docs/dsl.md, cuTile).
+    ("cutile", rms_norm, _NAMED),
 )
 
 

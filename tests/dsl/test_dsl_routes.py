@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -152,6 +153,60 @@ def test_cutile_tileiras_version_decides_hopper(fake_root, monkeypatch):
     assert cutile.arch_unusable_reason(9) is None
 
 
+def _fake_cutile_toolchain(root: Path, nvcc: str | None, nvvm: str | None) -> None:
+    _fake_cutile(root)
+    write_dist(root, "nvidia-cuda-tileiras", "13.4.92")
+    for package, version in (("nvidia-cuda-nvcc", nvcc), ("nvidia-nvvm", nvvm)):
+        if version is not None:
+            write_dist(root, package, version)
+    clear_caches()
+
+
+def test_cutile_tileiras_wheel_needs_its_nvcc_and_nvvm(fake_root):
+    # Seen on the H100: with only the tileiras wheel every compile fails without detail
+    # (tileiras finds no libNVVM beside it). This venv may hold nvcc/nvvm 13.0 wheels: also wrong.
+    _fake_cutile_toolchain(fake_root, nvcc="13.4.92", nvvm=None)
+    reason = cutile.runtime.unusable_reason()
+    assert reason is not None
+    assert "nvidia-cuda-tileiras 13.4.92 needs nvidia-cuda-nvcc and nvidia-nvvm 13.4.x" in reason
+    assert "failed to compile Tile IR program" in reason
+    _fake_cutile_toolchain(fake_root, nvcc="13.4.92", nvvm="13.4.92")
+    assert cutile.runtime.unusable_reason() is None
+    assert cutile.arch_unusable_reason(9) is None
+    assert cutile.toolchain() == {
+        "nvidia-cuda-tileiras": "13.4.92",
+        "nvidia-cuda-nvcc": "13.4.92",
+        "nvidia-nvvm": "13.4.92",
+    }
+
+
+def test_cutile_route_without_its_toolchain_registers_nothing_and_says_why(fake_root, caplog):
+    _fake_cutile_toolchain(fake_root, nvcc=None, nvvm=None)
+    torchgraft.disable()
+    with caplog.at_level(logging.INFO, logger="torchgraft"):
+        torchgraft.enable(routes=["cutile"])
+    try:
+        assert [o for o in registry.list_overrides() if o.dsl == "cutile"] == []
+        assert "skipping the cutile override of aten::_fused_rms_norm at CUDA" in caplog.text
+        assert "needs nvidia-cuda-nvcc and nvidia-nvvm 13.4.x" in caplog.text
+    finally:
+        torchgraft.disable()
+
+
+def test_doctor_shows_cutile_toolchain(fake_root, capsys):
+    from torchgraft import cli
+
+    _fake_cutile_toolchain(fake_root, nvcc="13.4.92", nvvm=None)
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^  cutile\s+1\.7\.0 \(not used: nvidia-cuda-tileiras 13\.4\.92 needs", out, re.M
+    )
+    assert re.search(r"^    tileiras\s+13\.4\.92$", out, re.M)
+    assert re.search(r"^    nvidia-cuda-nvcc\s+13\.4\.92$", out, re.M)
+    assert re.search(r"^    nvidia-nvvm\s+(not installed|13\.0\.\d+)$", out, re.M)
+
+
 # ---- registration imports nothing; enable() routes -------------------------------------------
 
 _SUBPROCESS = """
@@ -165,7 +220,8 @@ from torchgraft import list_overrides
 torchgraft.enable(routes={routes!r})
 routes = sorted({{(o.dsl, o.op_symbol) for o in list_overrides()}})
 print(routes)
-loaded = [m for m in ("cutlass", "tvm_ffi", "flash_attn", "quack", "helion") if m in sys.modules]
+loaded = [m for m in ("cutlass", "tvm_ffi", "flash_attn", "quack", "helion", "cuda.tile")
+          if m in sys.modules]
 print("LOADED", loaded)
 """
 
@@ -194,7 +250,8 @@ def _run_enable(
 
 def test_registering_every_dsl_route_imports_no_dsl(fake_root):
     install_raising_dsls(fake_root)
-    overrides, loaded = _run_enable(fake_root, ["triton", "cutedsl", "helion"])
+    _fake_cutile_toolchain(fake_root, nvcc="13.4.92", nvvm="13.4.92")
+    overrides, loaded = _run_enable(fake_root, ["triton", "cutedsl", "helion", "cutile"])
     assert loaded == []
     sdpa = [
         "_scaled_dot_product_cudnn_attention",
@@ -203,7 +260,9 @@ def test_registering_every_dsl_route_imports_no_dsl(fake_root):
         "_scaled_dot_product_flash_attention_backward",
     ]
     rms = ["_fused_rms_norm", "_fused_rms_norm_backward"]
-    expected = {("cutedsl", op) for op in sdpa + rms} | {("helion", op) for op in rms}
+    expected = {("cutedsl", op) for op in sdpa + rms} | {
+        (dsl, op) for dsl in ("helion", "cutile") for op in rms
+    }
     if cutedsl_triton_usable():
         expected |= {("triton", op) for op in rms}
     assert set(overrides) == expected

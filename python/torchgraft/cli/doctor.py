@@ -78,6 +78,8 @@ def _dsl_extras(module: Any) -> dict[str, Any]:
     if tileiras_version is not None and module.runtime_available():
         version = tileiras_version()
         extras["tileiras"] = str(version) if version is not None else None
+        # The tileiras wheel compiles only beside the nvcc/nvvm wheels of its release.
+        extras["toolchain"] = module.toolchain()
     return extras
 
 
@@ -314,6 +316,10 @@ def _print_doctor(facts: dict[str, Any]) -> None:
         row(name, text)
         if "tileiras" in dsl:
             row("tileiras", dsl["tileiras"] or "not found (needed to compile)", 4)
+            wheels = dsl.get("toolchain", {})
+            if any(wheels.values()):
+                for package, version in wheels.items():
+                    row(package, version or "not installed", 4)
         for library, lib in dsl.get("libraries", {}).items():
             lib_text = lib["version"] or "not installed"
             if lib["version"] and lib["unusable"]:

@@ -1,4 +1,4 @@
-"""quack's CuteDSL RMSNorm and the Helion RMSNorm as implementations of
+"""quack's CuteDSL RMSNorm, the Helion RMSNorm and the cuTile RMSNorm as implementations of
 ``aten::_fused_rms_norm`` and its backward, returning what ATen returns.
 
 Both kernel libraries allocate their own 2-D outputs; these impls hand them rows and reshape
@@ -23,8 +23,11 @@ from .reference import default_eps
 from .shapes import rows_and_hidden, rstd_shape
 
 __all__ = [
+    "CUTILE",
     "HELION",
     "QUACK",
+    "cutile_backward_impl",
+    "cutile_forward_impl",
     "helion_backward_impl",
     "helion_forward_impl",
     "quack_backward_impl",
@@ -35,6 +38,8 @@ __all__ = [
 QUACK = LazyKernels("torchgraft.grafts.rms_norm.quack_kernels")
 #: The Helion kernels, imported on first use.
 HELION = LazyKernels("torchgraft.grafts.rms_norm.helion_kernels")
+#: The cuTile kernels, imported on first use.
+CUTILE = LazyKernels("torchgraft.grafts.rms_norm.cutile_kernels")
 
 _aten = torch.ops.aten
 
@@ -120,3 +125,22 @@ def helion_backward_impl(
 ) -> tuple[Tensor | None, Tensor | None]:
     """``aten::_fused_rms_norm_backward`` through the Helion kernels (a weight is required)."""
     return _backward(HELION, grad_out, input, normalized_shape, rstd, weight, output_mask)
+
+
+def cutile_forward_impl(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None
+) -> tuple[Tensor, Tensor]:
+    """``aten::_fused_rms_norm`` through the cuTile kernel (a weight is required)."""
+    return _forward(CUTILE, input, normalized_shape, weight, eps)
+
+
+def cutile_backward_impl(
+    grad_out: Tensor,
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    rstd: Tensor,
+    weight: Tensor | None,
+    output_mask: Sequence[bool],
+) -> tuple[Tensor | None, Tensor | None]:
+    """``aten::_fused_rms_norm_backward`` through the cuTile kernels (a weight is required)."""
+    return _backward(CUTILE, grad_out, input, normalized_shape, rstd, weight, output_mask)

@@ -1,10 +1,10 @@
 """Registers the RMSNorm kernels under ``aten::_fused_rms_norm`` and its backward at CUDA.
 
-Kept in one small module: it is the only code that talks to torchgraft's registry. One row per
-(route, op): the Triton kernels (route ``"triton"``), quack's CuteDSL kernels (``"cutedsl"``)
-and the Helion kernels (``"helion"``). Registering imports no DSL; the impls import theirs on
-their first call. A route whose DSL (or kernel library) is missing or outside the accepted
-versions is skipped with an INFO log.
+Kept in one small module: it is the only code that talks to torchgraft's registry. One row
+per (route, op): the Triton kernels (route ``"triton"``), quack's CuteDSL kernels
+(``"cutedsl"``), the Helion kernels (``"helion"``) and the cuTile kernels (``"cutile"``).
+Registering imports no DSL; the impls import theirs on their first call. A route whose DSL (or
+kernel library) is missing or outside the accepted versions is skipped with an INFO log.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger("torchgraft.grafts.rms_norm")
 
 OP_SYMBOLS = ("_fused_rms_norm", "_fused_rms_norm_backward")
 #: The routes this package has kernels for.
-ROUTES = ("triton", "cutedsl", "helion")
+ROUTES = ("triton", "cutedsl", "helion", "cutile")
 
 Row = tuple[str, Callable[..., bool], Callable[..., Any]]
 
@@ -46,6 +46,11 @@ def _rows(route: str) -> tuple[Row, ...]:
             (OP_SYMBOLS[0], dsl_cond.quack_forward_cond, dsl_impl.quack_forward_impl),
             (OP_SYMBOLS[1], dsl_cond.quack_backward_cond, dsl_impl.quack_backward_impl),
         )
+    if route == "cutile":
+        return (
+            (OP_SYMBOLS[0], dsl_cond.cutile_forward_cond, dsl_impl.cutile_forward_impl),
+            (OP_SYMBOLS[1], dsl_cond.cutile_backward_cond, dsl_impl.cutile_backward_impl),
+        )
     return (
         (OP_SYMBOLS[0], dsl_cond.helion_forward_cond, dsl_impl.helion_forward_impl),
         (OP_SYMBOLS[1], dsl_cond.helion_backward_cond, dsl_impl.helion_backward_impl),
@@ -57,7 +62,7 @@ def _unusable_reason(route: str) -> str | None:
         from torchgraft.dsl import cutedsl
 
         return cutedsl.library_unusable_reason("quack-kernels")
-    return None  # triton and helion: the DSL helper's own gate (register_op_override) decides
+    return None  # triton, helion, cutile: the DSL helper's own gate (register_op_override) decides
 
 
 def register(route: str = "triton") -> None:
@@ -103,8 +108,8 @@ def notes() -> dict[tuple[str, str], str]:
     """``(route, op_symbol) -> why the route takes the calls it takes`` (for ``torchgraft list``).
 
     Imports no DSL."""
-    from .dsl_cond import HELION_MAX_HIDDEN, QUACK_MAX_HIDDEN
-    from .dsl_impl import HELION, QUACK
+    from .dsl_cond import CUTILE_MAX_HIDDEN, HELION_MAX_HIDDEN, QUACK_MAX_HIDDEN
+    from .dsl_impl import CUTILE, HELION, QUACK
 
     why = {
         "triton": "where measured faster than ATen on an H100 (triton_crossover.py)",
@@ -113,8 +118,12 @@ def notes() -> dict[tuple[str, str], str]:
             f"with a weight, hidden <= {HELION_MAX_HIDDEN}, configs from helion_configs.json; "
             "opt-in"
         ),
+        "cutile": (
+            f"with a weight, hidden <= {CUTILE_MAX_HIDDEN}, a GPU its tileiras compiles for "
+            "(sm90 from 13.3); opt-in"
+        ),
     }
-    for route, kernels in (("cutedsl", QUACK), ("helion", HELION)):
+    for route, kernels in (("cutedsl", QUACK), ("helion", HELION), ("cutile", CUTILE)):
         if kernels.failed:
             why[route] = f"nothing: import failed ({kernels.error})"
     return {(route, op): text for route, text in why.items() for op in OP_SYMBOLS}
