@@ -146,7 +146,8 @@ EOF
     fi
 
     stage "vector add through ct.launch, against torch"
-    run 120 python3 - <<'EOF'
+    # From a file: cuda.tile reads the kernel's source (inspect), which stdin does not keep.
+    cat > /tmp/cutile_vector_add.py <<'EOF'
 import time
 import torch
 import cuda.tile as ct
@@ -166,6 +167,7 @@ torch.cuda.synchronize()
 print(f"  first launch (compile + run) {time.perf_counter() - start:.2f} s")
 print("  max |c - (a + b)| =", (c - (a + b)).abs().max().item(), "(0 expected)")
 EOF
+    run 120 python3 /tmp/cutile_vector_add.py
 fi
 
 if wanted tests; then
