@@ -6,9 +6,9 @@ use graft_kernels::ops::moe_permute::{self, first_out_of_range, Permutation};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
-use super::{check_permute, check_unpermute};
+use super::{check_permute, check_unpermute, kernel_weights};
 use crate::common::stats::Counters;
-use crate::common::tensor::{acc_dtype, contiguous, to_dtype, unsupported};
+use crate::common::tensor::{contiguous, to_dtype, unsupported};
 use crate::common::threads::TorchPool;
 
 pub static MOE_PERMUTE_CPU: Counters = Counters::new();
@@ -33,13 +33,14 @@ fn read_index(op: &str, name: &str, index: &Tensor, pairs: i64) -> Result<Tensor
     Ok(index)
 }
 
-/// Weights the kernels read directly: of `T` or of `T::Acc`; others are converted to `T::Acc`.
-fn weight_dtype(y: DType, weights: DType) -> DType {
-    if weights == y {
-        y
-    } else {
-        acc_dtype(y)
-    }
+/// The kernels' shape of a call with `tokens` tokens of `width`, `valid` read and clamped.
+fn permutation(tokens: i64, top_k: i64, width: i64, valid: &Tensor) -> Result<Permutation> {
+    Ok(Permutation {
+        tokens: tokens as usize,
+        top_k: top_k as usize,
+        hidden: width as usize,
+        valid: read_valid(valid, tokens * top_k)?,
+    })
 }
 
 fn permute_typed<T: Float + Element>(
@@ -143,12 +144,7 @@ impl Kernel for MoePermuteCpu {
         let (checked, tokens, width) =
             check_permute(OP, DeviceType::CPU, &hidden, &perm, &valid, top_k)?;
         let pairs = tokens * top_k;
-        let shape = Permutation {
-            tokens: tokens as usize,
-            top_k: top_k as usize,
-            hidden: width as usize,
-            valid: read_valid(&valid, pairs)?,
-        };
+        let shape = permutation(tokens, top_k, width, &valid)?;
         let perm = read_index(OP, "perm", &perm, pairs)?;
         let out = match checked.dtype {
             DType::F32 => permute_typed::<f32>(shape, &hidden, &perm),
@@ -183,22 +179,10 @@ impl Kernel for MoeUnpermuteCpu {
             top_k,
         )?;
         let pairs = tokens * top_k;
-        let shape = Permutation {
-            tokens: tokens as usize,
-            top_k: top_k as usize,
-            hidden: width as usize,
-            valid: read_valid(&valid, pairs)?,
-        };
+        let shape = permutation(tokens, top_k, width, &valid)?;
         let inv_perm = read_index(OP, "inv_perm", &inv_perm, pairs)?;
-        let w_dtype = weights
-            .as_ref()
-            .map(|w| Ok::<_, graft_abi::Error>(weight_dtype(checked.dtype, w.dtype()?)))
-            .transpose()?;
-        let w = weights
-            .as_ref()
-            .zip(w_dtype)
-            .map(|(w, d)| to_dtype(w, d))
-            .transpose()?;
+        let w = kernel_weights(checked.dtype, weights.as_ref())?;
+        let w_dtype = w.as_ref().map(Tensor::dtype).transpose()?;
         let out = by_dtypes!(
             OP,
             checked.dtype,
@@ -233,24 +217,12 @@ impl Kernel for MoeUnpermuteBackwardCpu {
             top_k,
         )?;
         let pairs = tokens * top_k;
-        let shape = Permutation {
-            tokens: tokens as usize,
-            top_k: top_k as usize,
-            hidden: width as usize,
-            valid: read_valid(&valid, pairs)?,
-        };
+        let shape = permutation(tokens, top_k, width, &valid)?;
         let perm = read_index(OP, "perm", &perm, pairs)?;
         let inv_perm = read_index(OP, "inv_perm", &inv_perm, pairs)?;
         check_inverse(OP, perm.as_slice()?, inv_perm.as_slice()?)?;
-        let w_dtype = weights
-            .as_ref()
-            .map(|w| Ok::<_, graft_abi::Error>(weight_dtype(checked.dtype, w.dtype()?)))
-            .transpose()?;
-        let w = weights
-            .as_ref()
-            .zip(w_dtype)
-            .map(|(w, d)| to_dtype(w, d))
-            .transpose()?;
+        let w = kernel_weights(checked.dtype, weights.as_ref())?;
+        let w_dtype = w.as_ref().map(Tensor::dtype).transpose()?;
         let (dy, dw) = by_dtypes!(
             OP,
             checked.dtype,

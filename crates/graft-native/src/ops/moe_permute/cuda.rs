@@ -5,10 +5,10 @@ use graft_abi::cuda::{current_stream, DeviceGuard};
 use graft_abi::{DType, Device, DeviceType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{MoeValid, MoeWeights};
 
-use super::{check_permute, check_unpermute};
+use super::{check_permute, check_unpermute, kernel_weights};
 use crate::common::cuda::{cuda_dtype, cuda_error, ptr};
 use crate::common::stats::Counters;
-use crate::common::tensor::{acc_dtype, contiguous, to_dtype};
+use crate::common::tensor::{contiguous, to_dtype};
 
 pub static MOE_PERMUTE_CUDA: Counters = Counters::new();
 pub static MOE_UNPERMUTE_CUDA: Counters = Counters::new();
@@ -24,18 +24,15 @@ fn valid_of(valid: &Tensor) -> Result<(Tensor, MoeValid)> {
     Ok((v, handle))
 }
 
-/// The weights as the kernels read them (of `y`'s dtype or its accumulation dtype; others are
-/// converted to the latter), with their kind.
+/// The weights as the kernels read them ([`kernel_weights`]), with their kind.
 fn weights_of(y: DType, weights: Option<&Tensor>) -> Result<(Option<Tensor>, MoeWeights)> {
-    let Some(w) = weights else {
-        return Ok((None, MoeWeights::None));
+    let w = kernel_weights(y, weights)?;
+    let kind = match &w {
+        None => MoeWeights::None,
+        Some(w) if w.dtype()? == y => MoeWeights::Same,
+        Some(_) => MoeWeights::Acc,
     };
-    let (dtype, kind) = if w.dtype()? == y {
-        (y, MoeWeights::Same)
-    } else {
-        (acc_dtype(y), MoeWeights::Acc)
-    };
-    Ok((Some(contiguous(&to_dtype(w, dtype)?)?), kind))
+    Ok((w, kind))
 }
 
 fn ptr_or_null(t: Option<&Tensor>) -> Result<u64> {

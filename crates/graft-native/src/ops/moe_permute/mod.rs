@@ -23,6 +23,18 @@ pub mod cuda;
 
 use graft_abi::{ensure, Checked, DType, DeviceType, Operands, Result, Tensor};
 
+use crate::common::tensor::{acc_dtype, contiguous, to_dtype};
+
+/// The routing weights as the kernels read them, contiguous: of `y`'s dtype when they have it,
+/// else converted to `y`'s accumulation dtype (`None`: no weights).
+fn kernel_weights(y: DType, weights: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let Some(w) = weights else {
+        return Ok(None);
+    };
+    let dtype = if w.dtype()? == y { y } else { acc_dtype(y) };
+    Ok(Some(contiguous(&to_dtype(w, dtype)?)?))
+}
+
 /// `moe_permute`'s operands; returns the check and `(tokens, hidden)`.
 fn check_permute(
     op: &str,
