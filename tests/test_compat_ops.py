@@ -153,9 +153,16 @@ def _moe_unpermute_reference(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (y * w.reshape(-1, 1)[MOE_PERM])[MOE_INV].view(24, 4, -1).sum(1)
 
 
+def _apply_gate_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' MoE experts' ``_apply_gate`` with SiLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 FUNCTIONAL = {
     "swiglu": (tgf.swiglu, lambda g, u: F.silu(g) * u, [(24, 64), (24, 64)]),
     "geglu": (tgf.geglu, lambda g, u: F.gelu(g) * u, [(24, 64), (24, 64)]),
+    "swiglu_packed": (tgf.swiglu_packed, _apply_gate_reference, [(24, 128)]),
     "rope": (_rope, _rope_reference, [(2, 4, 12, 32), (2, 2, 12, 32)]),
     "rms_norm": (lambda x, w: tgf.rms_norm(x, w, 1e-6), _rms_norm_reference, [(24, 64), (64,)]),
     "cross_entropy": (

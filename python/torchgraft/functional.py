@@ -22,7 +22,7 @@ from torchgraft.ops.cross_entropy import autograd as _ce
 from torchgraft.ops.cross_entropy.fake import eager as _ce_eager
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager, rows_of
 from torchgraft.ops.glu import autograd as _glu
-from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
+from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager, swiglu_packed_eager
 from torchgraft.ops.linear_cross_entropy import autograd as _lce  # noqa: F401  (autograd)
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
 from torchgraft.ops.moe_permute import autograd as _moe
@@ -51,6 +51,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "swiglu",
+    "swiglu_packed",
     "topk_softmax",
 ]
 
@@ -88,6 +89,33 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
     if not _glu_kernel_takes(gate, up):
         return swiglu_eager(gate, up)
     return _glu.swiglu(gate, up, inplace_backward=inplace_backward)
+
+
+def swiglu_packed(gate_up: Tensor, *, inplace_backward: bool = False) -> Tensor:
+    """SwiGLU of a packed gate-and-up projection in one pass: ``gate, up = gate_up.chunk(2,
+    dim=-1)``, then ``F.silu(gate) * up`` (computed in float32, float64 for float64 inputs), as
+    transformers' MoE experts apply their gate. The backward writes one packed gradient
+    ``[d_gate | d_up]``, so no ``cat`` follows it.
+
+    Args:
+        gate_up: The fused projection, shape ``(..., 2 * I)``, a floating dtype: the last
+            dimension holds ``[gate | up]`` and must be even. Returns shape ``(..., I)``.
+        inplace_backward: Write the gradient of ``gate_up`` over ``gate_up`` in the backward
+            instead of allocating it, as for [`swiglu`][]. Only for callers that own
+            ``gate_up``: an intermediate result (e.g. a grouped matmul's fresh output) that
+            nothing reads after the backward. Autograd raises if another recorded op saved it
+            (its version counter moves); a leaf, a tensor that does not require grad and a
+            non-contiguous tensor get an ordinary allocated gradient, and so does every call
+            under ``torch.compile`` (the op's registered formula runs there).
+
+    Other dtypes compute the eager expression (an odd last dimension raises ``RuntimeError``
+    there too).
+    """
+    if gate_up.dtype not in _FLOATS:
+        return swiglu_packed_eager(gate_up)
+    if inplace_backward:
+        return _glu.swiglu_packed_inplace_backward(gate_up)
+    return _glu.swiglu_packed(gate_up)
 
 
 def geglu(

@@ -45,7 +45,7 @@ from operand_draws import (
 )
 from torchgraft import functional as tgf
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager
-from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager
+from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager, swiglu_packed_eager
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
 from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
 from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
@@ -160,6 +160,68 @@ def _geglu_bw(grad: Tensor, gate: Tensor, up: Tensor, tanh: bool) -> tuple:
     return _glu_backward_eager(_gelu(tanh))(grad, gate, up)
 
 
+def _draw_gate_up_shape(d: Draw) -> list[int]:
+    """``(..., 2 I)``; now and then an odd last dimension (or none: a scalar), which the ops and
+    the eager expression refuse alike."""
+    shape = [*d.shape((0, 2)), 2 * d.size()]
+    if d.chance(0.06):
+        shape[-1] += 1
+    if d.chance(0.03):
+        shape = []
+    return shape
+
+
+def _draw_swiglu_packed(d: Draw) -> tuple[Tensor]:
+    return (d.tensor(_draw_gate_up_shape(d), d.dtype_of()),)
+
+
+def _draw_swiglu_packed_backward(d: Draw) -> tuple[Tensor, Tensor]:
+    shape = _draw_gate_up_shape(d)
+    gate_up = d.tensor(shape, d.dtype_of())
+    half = [*shape[:-1], shape[-1] // 2] if shape else []
+    return d.tensor(d.perturb_shape(half), d.dtype_of()), gate_up
+
+
+def _draw_swiglu_packed_backward_(d: Draw) -> tuple[Tensor, Tensor]:
+    """A written gate_up: now and then a grad that is part of its memory (its gate half, or a
+    dense block overlapping it)."""
+    shape = [*d.shape((1, 2)), 2 * d.size()]
+    half = [*shape[:-1], shape[-1] // 2]
+    n = 1
+    for s in shape:
+        n *= s
+    if d.chance(0.15) and n > 0:
+        buf = d.place(d.values([n + 1], d.dtype))
+        gate_up = buf[:n].view(shape)
+        if d.chance(0.5):
+            grad = gate_up[..., : shape[-1] // 2]  # gate_up's own gate half
+            if grad.is_contiguous():
+                # One row: a dense block inside gate_up, which ATen's overlap rule refuses (with
+                # more rows it is strided, and the op reads it through a copy).
+                d.tags.add("overlap")
+        else:
+            grad = buf[n // 2 : n].view(half)  # a dense block overlapping gate_up's second half
+            d.tags.add("overlap")
+        return grad, gate_up
+    gate_up = d.tensor(shape, d.dtype_of(), written=True)
+    return d.tensor(d.perturb_shape(half), d.dtype_of()), gate_up
+
+
+def _swiglu_packed_backward_eager(grad: Tensor, gate_up: Tensor) -> tuple:
+    leaf = _leaf(gate_up, True)
+    return torch.autograd.grad(swiglu_packed_eager(leaf), leaf, grad)
+
+
+def _swiglu_packed_in_place_eager(grad: Tensor, gate_up: Tensor) -> Tensor:
+    (d_gate_up,) = _swiglu_packed_backward_eager(grad, gate_up)
+    return gate_up.copy_(d_gate_up)
+
+
+def _swiglu_packed_in_place_ours(grad: Tensor, gate_up: Tensor) -> Tensor:
+    OPS.swiglu_packed_backward_(grad, gate_up)
+    return gate_up
+
+
 GLU = [
     Case("swiglu", _draw_glu, OPS.swiglu, swiglu_eager),
     Case(
@@ -187,8 +249,29 @@ GLU = [
         _ours_in_place(OPS.geglu_backward_),
         _in_place(_geglu_bw),
     ),
+    Case("swiglu_packed", _draw_swiglu_packed, OPS.swiglu_packed, swiglu_packed_eager),
+    Case(
+        "swiglu_packed_backward",
+        _draw_swiglu_packed_backward,
+        OPS.swiglu_packed_backward,
+        _swiglu_packed_backward_eager,
+    ),
+    Case(
+        "swiglu_packed_backward_",
+        _draw_swiglu_packed_backward_,
+        _swiglu_packed_in_place_ours,
+        _swiglu_packed_in_place_eager,
+    ),
     Case(
         "functional.swiglu", _draw_glu, tgf.swiglu, swiglu_eager, native=False, refuses=frozenset()
+    ),
+    Case(
+        "functional.swiglu_packed",
+        _draw_swiglu_packed,
+        tgf.swiglu_packed,
+        swiglu_packed_eager,
+        native=False,
+        refuses=frozenset(),
     ),
     Case(
         "functional.geglu",

@@ -1,7 +1,8 @@
 // Runs the kernels of ops/glu/glu.cu and ops/rope/rope.cu on the CPU (cuda_emu.h) and compares
 // them with float64 references: every activation, dtype and direction of the gated linear units
 // (packed and one-element paths, grid-stride loops, outputs aliasing the inputs as the in-place
-// backward uses them), and RoPE over strided q/k with GQA, broadcast tables, partial rotary dims,
+// backward uses them), SwiGLU over packed rows [gate | up] (the same, with row lengths that are
+// and are not multiples of the pack size), and RoPE over strided q/k with GQA, broadcast tables, partial rotary dims,
 // both directions and both unit sizes. Outputs are poisoned with NaN first.
 // Build and run with emu/run_glu_rope.sh. Exit status 1 on any mismatch.
 
@@ -200,6 +201,56 @@ void glu_case(int act, DT d, size_t n, bool vec, bool in_place) {
   check("glu bwd dup " + what, d, read(d, out1, n), du_ref);
 }
 
+// SwiGLU over packed rows [gate | up] (cols each): forward into y, backward into a packed
+// gradient or over gate_up itself (the in-place backward).
+void glu_packed_case(DT d, size_t rows, size_t cols, bool vec, bool in_place) {
+  const size_t es = dt_size(d), n = rows * cols;
+  Mem gu(2 * n * es), dy(n * es), y(n * es), dgu(2 * n * es);
+  const auto gv = fill(d, gu.p, 2 * n, 3), dv = fill(d, dy.p, n, 1);
+  std::vector<double> y_ref(n), dgu_ref(2 * n);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t j = 0; j < cols; ++j) {
+      const double g = gv[r * 2 * cols + j], u = gv[r * 2 * cols + cols + j], dd = dv[r * cols + j];
+      double f, df;
+      act_ref(0, g, f, df);
+      y_ref[r * cols + j] = f * u;
+      dgu_ref[r * 2 * cols + j] = dd * u * df;
+      dgu_ref[r * 2 * cols + cols + j] = dd * f;
+    }
+  }
+  const std::string tag = std::string("silu_") + dt_name(d);
+  const std::string what = tag + " rows=" + std::to_string(rows) + " cols=" +
+                           std::to_string(cols) + (vec ? " vec" : " one") +
+                           (in_place ? " in-place" : "");
+  const long long work = vec ? (long long)(n / (16 / es)) : (long long)n;
+  const unsigned grid = unsigned(std::min<long long>(3, (work + 63) / 64));
+  graft_glu::GluPackedParams p{gu.p, nullptr, y.p, (long long)rows, (long long)cols, vec ? 1 : 0};
+  poison(d, y.p, n);
+  launch("graft_glu_packed_fwd_" + tag, std::max(grid, 1u), 64, p);
+  check("glu packed fwd " + what, d, read(d, y.p, n), y_ref);
+  unsigned char* out = in_place ? gu.p : dgu.p;
+  if (!in_place) poison(d, dgu.p, 2 * n);
+  graft_glu::GluPackedParams b{gu.p, dy.p, out, (long long)rows, (long long)cols, vec ? 1 : 0};
+  launch("graft_glu_packed_bwd_" + tag, std::max(grid, 1u), 64, b);
+  // dgate and dup interleaved by rows: dgate's slack (two roundings) bounds the pair's.
+  check("glu packed bwd " + what, d, read(d, out, 2 * n), dgu_ref, 2);
+}
+
+void glu_packed_all() {
+  for (DT d : kDtypes) {
+    const size_t pack = 16 / dt_size(d);
+    for (size_t rows : {size_t(1), size_t(3), size_t(37)}) {
+      for (size_t cols : {size_t(1), size_t(7), pack, 3 * pack + 1, 2 * pack, size_t(96),
+                          size_t(768 + 1)}) {
+        for (bool in_place : {false, true}) {
+          glu_packed_case(d, rows, cols, false, in_place);
+          if (cols % pack == 0) glu_packed_case(d, rows, cols, true, in_place);
+        }
+      }
+    }
+  }
+}
+
 void glu_all() {
   for (int act = 0; act < 3; ++act) {
     for (DT d : kDtypes) {
@@ -315,6 +366,7 @@ void rope_all() {
 
 int main() {
   glu_all();
+  glu_packed_all();
   rope_all();
   std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
   return failures == 0 ? 0 : 1;

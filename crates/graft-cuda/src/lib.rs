@@ -28,7 +28,10 @@ pub use ops::cross_entropy::{
     CrossEntropyBlockGrad, CrossEntropyBlockStats, CrossEntropyCount, CrossEntropyReduce,
     CrossEntropyRows, RowsTuning, ScaleGrad,
 };
-pub use ops::glu::{glu_backward, glu_forward, GluActivation, GluBackward, GluForward};
+pub use ops::glu::{
+    glu_backward, glu_forward, glu_packed_backward, glu_packed_forward, GluActivation, GluBackward,
+    GluForward, GluPackedBackward, GluPackedForward,
+};
 pub use ops::layer_norm::{
     layer_norm_backward, layer_norm_backward_workspace_bytes, layer_norm_forward,
     LayerNormBackward, LayerNormForward,

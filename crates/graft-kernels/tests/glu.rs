@@ -589,3 +589,129 @@ fn threads_match_serial_around_the_split() {
         }
     }
 }
+
+/// Packed rows `[gate | up]` of `cols` each: the forward, the backward (into a packed
+/// gradient) and the in-place backward against float64, for every dtype, activation and ISA;
+/// each bit for bit equal to the flat kernels over the rows' halves (the same span code), and
+/// several threads (and a `Parallel` that runs the items in reverse) equal to one.
+fn packed_matches<T: TestFloat>()
+where
+    T::Acc: GluMath,
+{
+    let mut rng = Rng::new(51);
+    // Columns below, at and past a vector, not multiples of the vector width, and a row
+    // longer than a work item's worth of elements (8 Ki); rows around a work item's.
+    let shapes = [
+        (0, 5),
+        (1, 1),
+        (3, 1),
+        (5, 7),
+        (4, 16),
+        (33, 17),
+        (2, 64),
+        (7, 100),
+        (3, 768),
+        (11, 768),
+        (2, 8195),
+        (1025, 9),
+    ];
+    let bits = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+    for isa in Isa::available() {
+        for act in ACTS {
+            for (rows, cols) in shapes {
+                let ctx = format!("{} {isa:?} {act:?} rows={rows} cols={cols}", T::NAME);
+                let gate_up = random::<T>(&mut rng, rows * 2 * cols, 3.0);
+                let dy = random::<T>(&mut rng, rows * cols, 1.0);
+                let (mut y, mut dgu) = (poisoned::<T>(rows * cols), poisoned::<T>(2 * rows * cols));
+                let mut in_place = gate_up.clone();
+                let (mut y_rev, mut dgu_rev) = (y.clone(), dgu.clone());
+                // The halves as separate buffers, for the flat kernels.
+                let (mut gate, mut up) = (vec![], vec![]);
+                for row in gate_up.chunks_exact(2 * cols.max(1)) {
+                    gate.extend_from_slice(&row[..cols]);
+                    up.extend_from_slice(&row[cols..]);
+                }
+                let (mut y_flat, mut dg, mut du) = (
+                    poisoned::<T>(rows * cols),
+                    poisoned::<T>(rows * cols),
+                    poisoned::<T>(rows * cols),
+                );
+                with_isa(isa, || {
+                    glu::forward_packed(act, cols, &gate_up, &mut y, &Threads(3));
+                    glu::backward_packed(act, cols, &gate_up, &dy, &mut dgu, &Threads(2));
+                    glu::backward_packed_in_place(act, cols, &mut in_place, &dy, &Threads(3));
+                    glu::forward_packed(act, cols, &gate_up, &mut y_rev, &ReverseChunks);
+                    glu::backward_packed(act, cols, &gate_up, &dy, &mut dgu_rev, &ReverseChunks);
+                    glu::forward(act, &gate, &up, &mut y_flat, &Serial);
+                    glu::backward(act, &gate, &up, &dy, &mut dg, &mut du, &Serial);
+                });
+                let (mut y_ref, mut dgu_ref, mut dgu_flat) = (vec![], vec![], vec![]);
+                for r in 0..rows {
+                    let at = r * cols..(r + 1) * cols;
+                    for j in 0..cols {
+                        let (g, u) = (gate[r * cols + j].to_f64(), up[r * cols + j].to_f64());
+                        let (f, _) = act_ref(act, g);
+                        y_ref.push(f * u);
+                    }
+                    for j in 0..cols {
+                        let (g, u) = (gate[r * cols + j].to_f64(), up[r * cols + j].to_f64());
+                        dgu_ref.push(dy[r * cols + j].to_f64() * u * act_ref(act, g).1);
+                    }
+                    for j in 0..cols {
+                        let g = gate[r * cols + j].to_f64();
+                        dgu_ref.push(dy[r * cols + j].to_f64() * act_ref(act, g).0);
+                    }
+                    dgu_flat.extend_from_slice(&dg[at.clone()]);
+                    dgu_flat.extend_from_slice(&du[at]);
+                }
+                // Against a floor of 1e-2 a element: a lone output far in the activation's
+                // tail (gate -8) underflows in f16, which a relative norm of one element sees.
+                let floor = 1e-2 * ((rows * cols) as f64).sqrt();
+                let (y64, dgu64) = (to_f64(&y), to_f64(&dgu));
+                assert_close_scaled(&y64, &y_ref, floor, tol::<T>(), "y", &ctx);
+                // dgate and dup side by side: dgate's rounding (2 tol) bounds the pair's.
+                let tol2 = 2.0 * tol::<T>();
+                assert_close_scaled(&dgu64, &dgu_ref, floor, tol2, "d_gate_up", &ctx);
+                assert_eq!(
+                    bits(&y),
+                    bits(&y_flat),
+                    "{ctx}: y differs from the flat kernel"
+                );
+                assert_eq!(
+                    bits(&dgu),
+                    bits(&dgu_flat),
+                    "{ctx}: grad differs from the flat kernel"
+                );
+                assert_eq!(bits(&in_place), bits(&dgu), "{ctx}: in-place differs");
+                assert_eq!(bits(&y_rev), bits(&y), "{ctx}: y differs in reverse order");
+                assert_eq!(
+                    bits(&dgu_rev),
+                    bits(&dgu),
+                    "{ctx}: grad differs in reverse order"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_rows_match_float64_and_the_flat_kernels() {
+    packed_matches::<f32>();
+    packed_matches::<f64>();
+    packed_matches::<bf16>();
+    packed_matches::<f16>();
+}
+
+#[test]
+#[should_panic(expected = "not rows of 2 * 4")]
+fn packed_rows_must_be_whole() {
+    let mut y = vec![0.0f32; 4];
+    glu::forward_packed(Activation::Silu, 4, &[0.0f32; 9], &mut y, &Serial);
+}
+
+#[test]
+#[should_panic(expected = "dy has 3 elements, expected 1 rows of 4")]
+fn packed_gradient_must_match_the_rows() {
+    let mut gu = vec![0.0f32; 8];
+    glu::backward_packed_in_place(Activation::Silu, 4, &mut gu, &[0.0f32; 3], &Serial);
+}

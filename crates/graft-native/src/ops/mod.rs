@@ -96,6 +96,41 @@ const OPS: &[CustomOp] = &[
         cuda: true,
     },
     CustomOp {
+        op: "torchgraft::swiglu_packed",
+        schema: c"swiglu_packed(Tensor gate_up) -> Tensor",
+        register_cpu: |lib| lib.register::<glu::cpu::SwigluPackedCpu>(c"swiglu_packed"),
+        register_cuda: |lib| lib.register::<glu::cuda::SwigluPackedCuda>(c"swiglu_packed"),
+        cpu_counters: &glu::cpu::SWIGLU_PACKED_CPU,
+        cuda_counters: &glu::cuda::SWIGLU_PACKED_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::swiglu_packed_backward",
+        schema: c"swiglu_packed_backward(Tensor grad, Tensor gate_up) -> Tensor",
+        register_cpu: |lib| {
+            lib.register::<glu::cpu::SwigluPackedBackwardCpu>(c"swiglu_packed_backward")
+        },
+        register_cuda: |lib| {
+            lib.register::<glu::cuda::SwigluPackedBackwardCuda>(c"swiglu_packed_backward")
+        },
+        cpu_counters: &glu::cpu::SWIGLU_PACKED_BACKWARD_CPU,
+        cuda_counters: &glu::cuda::SWIGLU_PACKED_BACKWARD_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::swiglu_packed_backward_",
+        schema: c"swiglu_packed_backward_(Tensor grad, Tensor(a!) gate_up) -> ()",
+        register_cpu: |lib| {
+            lib.register::<glu::cpu::SwigluPackedBackwardInPlaceCpu>(c"swiglu_packed_backward_")
+        },
+        register_cuda: |lib| {
+            lib.register::<glu::cuda::SwigluPackedBackwardInPlaceCuda>(c"swiglu_packed_backward_")
+        },
+        cpu_counters: &glu::cpu::SWIGLU_PACKED_BACKWARD_INPLACE_CPU,
+        cuda_counters: &glu::cuda::SWIGLU_PACKED_BACKWARD_INPLACE_CUDA,
+        cuda: true,
+    },
+    CustomOp {
         op: "torchgraft::rope",
         schema: c"rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor, Tensor)",
         register_cpu: |lib| lib.register::<rope::cpu::RopeCpu>(c"rope"),

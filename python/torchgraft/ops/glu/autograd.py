@@ -1,7 +1,8 @@
-"""Autograd of ``torchgraft::swiglu`` and ``torchgraft::geglu``: the backward is the fused
-``*_backward`` op, or with ``inplace_backward=True`` the ``*_backward_`` op that writes the
-gradients over ``gate`` and ``up`` (see ``torchgraft.functional.swiglu``). Importing this module
-defines the ops and their fake functions (:mod:`.fake`).
+"""Autograd of ``torchgraft::swiglu``, ``torchgraft::geglu`` and ``torchgraft::swiglu_packed``:
+the backward is the fused ``*_backward`` op, or with ``inplace_backward=True`` the
+``*_backward_`` op that writes the gradients over ``gate`` and ``up`` (over ``gate_up`` for the
+packed op; see ``torchgraft.functional.swiglu``). Importing this module defines the ops and their
+fake functions (:mod:`.fake`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgraft.common.eager_autograd import register_autograd
+from torchgraft.common.eager_autograd import autograd_caller, register_autograd
 from torchgraft.ops.glu import fake  # noqa: F401  (defines the ops and their fake functions)
 
-__all__ = ["geglu", "swiglu"]
+__all__ = ["geglu", "swiglu", "swiglu_packed", "swiglu_packed_inplace_backward"]
 
 
 def _owned_intermediate(t: Tensor) -> bool:
@@ -58,6 +59,39 @@ def _geglu_grad(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
     return dgate, dup, None
 
 
+def _save_packed(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    (gate_up,) = inputs
+    ctx.save_for_backward(gate_up)
+    ctx.inplace = False
+
+
+def _save_packed_owned(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    """As :func:`_save_packed`, for a caller that owns ``gate_up``: its backward writes the
+    gradient over it when it is an intermediate (the schema has no flag for this, so the choice
+    travels in the caller, not the op)."""
+    (gate_up,) = inputs
+    ctx.save_for_backward(gate_up)
+    ctx.inplace = _owned_intermediate(gate_up)
+
+
+def _swiglu_packed_grad(ctx: Any, grad: Tensor) -> Tensor:
+    (gate_up,) = ctx.saved_tensors
+    if not ctx.inplace:
+        return torch.ops.torchgraft.swiglu_packed_backward(grad, gate_up)
+    torch.ops.torchgraft.swiglu_packed_backward_(grad, gate_up)
+    # As in _backward: anything else that saved gate_up now fails its version check.
+    torch.autograd.graph.increment_version(gate_up)
+    return gate_up
+
+
 # The ops' autograd, and what torchgraft.functional calls: the same formulas, less host work.
 swiglu = register_autograd(torch.ops.torchgraft.swiglu.default, _swiglu_grad, _save_inputs)
 geglu = register_autograd(torch.ops.torchgraft.geglu.default, _geglu_grad, _save_inputs)
+swiglu_packed = register_autograd(
+    torch.ops.torchgraft.swiglu_packed.default, _swiglu_packed_grad, _save_packed
+)
+# The same op with the in-place backward (eager calls; under torch.compile and with tensor
+# subclasses the op's registered formula runs, which allocates the gradient).
+swiglu_packed_inplace_backward = autograd_caller(
+    torch.ops.torchgraft.swiglu_packed.default, _save_packed_owned, _swiglu_packed_grad
+)

@@ -1,4 +1,5 @@
-"""Fake functions of ``torchgraft::swiglu`` and ``torchgraft::geglu`` and their backward ops.
+"""Fake functions of ``torchgraft::swiglu``, ``torchgraft::geglu``, ``torchgraft::swiglu_packed``
+and their backward ops.
 
 The schemas and kernels are native (crates/graft-native/src/ops/glu/); importing this module
 defines them and registers the fake functions (shapes for ``torch.compile``, with the kernels'
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from torchgraft.common.operands import Operands
 from torchgraft.ops.define import define_ops
+from torchgraft.ops.glu.reference import check_halving
 
 __all__: list[str] = []
 
@@ -73,3 +75,36 @@ def _swiglu_backward_inplace_fake(grad: Tensor, gate: Tensor, up: Tensor) -> Non
 @torch.library.register_fake("torchgraft::geglu_backward_")
 def _geglu_backward_inplace_fake(grad: Tensor, gate: Tensor, up: Tensor, tanh: bool) -> None:
     _check("geglu_backward_", gate, up, grad, written=True)
+
+
+def _check_packed_backward(op: str, grad: Tensor, gate_up: Tensor, written: bool) -> None:
+    """The packed backward's operands (``ops/glu/mod.rs``'s ``check_packed_backward``)."""
+    (
+        Operands(op)
+        .tensor("gate_up", gate_up, written=written)
+        .float()
+        .tensor("grad", grad)
+        .dtype_like("gate_up")
+        .check()
+    )
+    check_halving(op, gate_up)
+    Operands(op).tensor("grad", grad).sizes([*gate_up.shape[:-1], gate_up.shape[-1] // 2]).check()
+
+
+@torch.library.register_fake("torchgraft::swiglu_packed")
+def _swiglu_packed_fake(gate_up: Tensor) -> Tensor:
+    Operands("swiglu_packed").tensor("gate_up", gate_up).float().check()
+    check_halving("swiglu_packed", gate_up)
+    half = [*gate_up.shape[:-1], gate_up.shape[-1] // 2]
+    return torch.empty(half, dtype=gate_up.dtype, device=gate_up.device)
+
+
+@torch.library.register_fake("torchgraft::swiglu_packed_backward")
+def _swiglu_packed_backward_fake(grad: Tensor, gate_up: Tensor) -> Tensor:
+    _check_packed_backward("swiglu_packed_backward", grad, gate_up, written=False)
+    return _empty(gate_up)
+
+
+@torch.library.register_fake("torchgraft::swiglu_packed_backward_")
+def _swiglu_packed_backward_inplace_fake(grad: Tensor, gate_up: Tensor) -> None:
+    _check_packed_backward("swiglu_packed_backward_", grad, gate_up, written=True)

@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["geglu_eager", "geglu_reference", "swiglu_eager", "swiglu_reference"]
+__all__ = [
+    "check_halving",
+    "geglu_eager",
+    "geglu_reference",
+    "swiglu_eager",
+    "swiglu_packed_eager",
+    "swiglu_packed_reference",
+    "swiglu_reference",
+]
 
 
 def swiglu_eager(gate: Tensor, up: Tensor) -> Tensor:
@@ -19,6 +27,32 @@ def swiglu_eager(gate: Tensor, up: Tensor) -> Tensor:
 def geglu_eager(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
     """``F.gelu(gate, approximate=approximate) * up`` as models write it."""
     return F.gelu(gate, approximate=approximate) * up
+
+
+def check_halving(op: str, gate_up: Tensor) -> None:
+    """A packed ``gate_up`` needs a last dimension of even size: ``RuntimeError`` with ATen's
+    ``glu`` messages otherwise (``chunk(2)`` alone would split an odd size unevenly)."""
+    if gate_up.dim() == 0:
+        raise RuntimeError(f"{op} does not support scalars because halving size must be even")
+    last = gate_up.shape[-1]
+    if last % 2 != 0:
+        raise RuntimeError(
+            f"{op}: Halving dimension must be even, but dimension {gate_up.dim() - 1} "
+            f"is size {last}"
+        )
+
+
+def swiglu_packed_eager(gate_up: Tensor) -> Tensor:
+    """transformers' MoE ``_apply_gate``: ``gate, up = gate_up.chunk(2, dim=-1)``, then
+    ``F.silu(gate) * up``, in the input's dtype."""
+    check_halving("swiglu_packed", gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_packed_reference(gate_up: Tensor) -> Tensor:
+    """:func:`swiglu_packed_eager` computed in float64, returned in float64."""
+    return swiglu_packed_eager(gate_up.double())
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:

@@ -4,9 +4,11 @@
 // Arithmetic happens in the accumulation type (float; double for double) and each output
 // is rounded once.
 //
-// Layout: gate, up, dy, y, dgate and dup are contiguous arrays of n elements of T. With
-// `vec` = 1 (every pointer 16-byte aligned and n a multiple of the pack size) each thread
-// moves 16-byte packs; otherwise single elements. Grid-stride loops cover any n.
+// Layout: gate, up, dy, y, dgate and dup are contiguous arrays of n elements of T, or (the
+// packed kernels) gate and up are the two halves of each row of one rows x 2 cols array, as
+// are dgate and dup, and dy and y are rows x cols. With `vec` = 1 (every pointer 16-byte
+// aligned, n and cols multiples of the pack size) each thread moves 16-byte packs; otherwise
+// single elements. Grid-stride loops cover any n.
 
 #include "common.cuh"
 
@@ -17,7 +19,7 @@ using graft_common::from_acc;
 using graft_common::Pack;
 using graft_common::to_acc;
 
-// Mirrored by #[repr(C)] GluParams in src/glu.rs; every field is 8 bytes.
+// Mirrored by #[repr(C)] GluParams in mod.rs; every field is 8 bytes.
 struct GluParams {
   const void* gate;
   const void* up;
@@ -25,6 +27,16 @@ struct GluParams {
   void* out0;      // y (forward) or dgate (backward)
   void* out1;      // dup (backward)
   long long n;
+  long long vec;
+};
+
+// Mirrored by #[repr(C)] GluPackedParams in mod.rs; every field is 8 bytes.
+struct GluPackedParams {
+  const void* gate_up;  // rows x 2 cols, each row [gate | up]
+  const void* dy;       // rows x cols (backward only)
+  void* out;            // y, rows x cols (forward), or d_gate_up, rows x 2 cols (backward)
+  long long rows;
+  long long cols;       // > 0
   long long vec;
 };
 
@@ -101,39 +113,53 @@ struct GeluErf {
 template <typename T>
 constexpr bool kFast = sizeof(T) == 2;
 
+// Where the gate of element i lives (i counts the outputs y / dy, and the first element of a
+// pack on the vector path); up (and dup) sit at the same offset from their own base. dy and y
+// are always at i itself.
+struct FlatIndex {
+  __device__ __forceinline__ long long gate(long long i) const { return i; }
+};
+
+// Packed rows [gate | up] of `cols` elements each: gate at row * 2 cols + col = i + row * cols,
+// up `cols` further (its base is gate_up + cols).
+struct PackedIndex {
+  long long cols;
+  __device__ __forceinline__ long long gate(long long i) const { return i + (i / cols) * cols; }
+};
+
 template <typename Act, typename T>
-__device__ __forceinline__ void fwd_one(const T* g, const T* u, T* y, long long i) {
+__device__ __forceinline__ void fwd_one(const T* g, const T* u, T* y, long long gi, long long i) {
   using A = typename Acc<T>::type;
   A f, df;
-  Act::template eval<A, kFast<T>>(to_acc(g[i]), f, df);
-  y[i] = from_acc<T>(f * to_acc(u[i]));
+  Act::template eval<A, kFast<T>>(to_acc(g[gi]), f, df);
+  y[i] = from_acc<T>(f * to_acc(u[gi]));
 }
 
 template <typename Act, typename T>
 __device__ __forceinline__ void bwd_one(const T* g, const T* u, const T* dy, T* dg, T* du,
-                                        long long i) {
+                                        long long gi, long long i) {
   using A = typename Acc<T>::type;
   A f, df;
-  Act::template eval<A, kFast<T>>(to_acc(g[i]), f, df);
+  Act::template eval<A, kFast<T>>(to_acc(g[gi]), f, df);
   const A d = to_acc(dy[i]);
-  dg[i] = from_acc<T>(d * to_acc(u[i]) * df);
-  du[i] = from_acc<T>(d * f);
+  dg[gi] = from_acc<T>(d * to_acc(u[gi]) * df);
+  du[gi] = from_acc<T>(d * f);
 }
 
-template <typename Act, typename T>
-__device__ void forward(const GluParams& p) {
+// y = act(gate) * up over n outputs; `vec`: 16-byte packs (every base aligned, n and, for
+// packed rows, cols multiples of the pack size, so that no pack straddles two rows).
+template <typename Act, typename T, typename Index>
+__device__ void forward(const T* g, const T* u, T* y, long long n, bool vec, Index at) {
   using A = typename Acc<T>::type;
-  const T* g = static_cast<const T*>(p.gate);
-  const T* u = static_cast<const T*>(p.up);
-  T* y = static_cast<T*>(p.out0);
   const long long stride = graft_common::grid_threads();
   const long long first = graft_common::thread_index();
-  if (p.vec) {
+  if (vec) {
     constexpr int N = Pack<T>::N;
-    const long long packs = p.n / N;
+    const long long packs = n / N;
     for (long long k = first; k < packs; k += stride) {
-      const Pack<T> gv = graft_common::load_pack(g + k * N);
-      const Pack<T> uv = graft_common::load_pack(u + k * N);
+      const long long gi = at.gate(k * N);
+      const Pack<T> gv = graft_common::load_pack(g + gi);
+      const Pack<T> uv = graft_common::load_pack(u + gi);
       Pack<T> yv;
 #pragma unroll
       for (int e = 0; e < N; ++e) {
@@ -144,28 +170,28 @@ __device__ void forward(const GluParams& p) {
       graft_common::store_pack(y + k * N, yv);
     }
   } else {
-    for (long long i = first; i < p.n; i += stride) fwd_one<Act>(g, u, y, i);
+    for (long long i = first; i < n; i += stride) fwd_one<Act>(g, u, y, at.gate(i), i);
   }
 }
 
-template <typename Act, typename T>
-__device__ void backward(const GluParams& p) {
+// dgate = dy * up * act'(gate), dup = dy * act(gate) over n elements of dy (as forward).
+// Each thread reads an element's gate, up and dy before writing its dgate and dup, so the
+// gradients may be written over gate and up.
+template <typename Act, typename T, typename Index>
+__device__ void backward(const T* g, const T* u, const T* dy, T* dg, T* du, long long n,
+                         bool vec, Index at) {
   using A = typename Acc<T>::type;
-  const T* g = static_cast<const T*>(p.gate);
-  const T* u = static_cast<const T*>(p.up);
-  const T* dy = static_cast<const T*>(p.dy);
-  T* dg = static_cast<T*>(p.out0);
-  T* du = static_cast<T*>(p.out1);
   const long long stride = graft_common::grid_threads();
   const long long first = graft_common::thread_index();
   // Doubles go one at a time (8-byte accesses already): two erfc/exp evaluations of a pack
   // in flight would spill registers.
-  if (sizeof(T) < 8 && p.vec) {
+  if (sizeof(T) < 8 && vec) {
     constexpr int N = Pack<T>::N;
-    const long long packs = p.n / N;
+    const long long packs = n / N;
     for (long long k = first; k < packs; k += stride) {
-      const Pack<T> gv = graft_common::load_pack(g + k * N);
-      const Pack<T> uv = graft_common::load_pack(u + k * N);
+      const long long gi = at.gate(k * N);
+      const Pack<T> gv = graft_common::load_pack(g + gi);
+      const Pack<T> uv = graft_common::load_pack(u + gi);
       const Pack<T> dv = graft_common::load_pack(dy + k * N);
       Pack<T> dgv, duv;
 #pragma unroll
@@ -176,26 +202,57 @@ __device__ void backward(const GluParams& p) {
         dgv.v[e] = from_acc<T>(d * to_acc(uv.v[e]) * df);
         duv.v[e] = from_acc<T>(d * f);
       }
-      graft_common::store_pack(dg + k * N, dgv);
-      graft_common::store_pack(du + k * N, duv);
+      graft_common::store_pack(dg + gi, dgv);
+      graft_common::store_pack(du + gi, duv);
     }
   } else {
-    for (long long i = first; i < p.n; i += stride) bwd_one<Act>(g, u, dy, dg, du, i);
+    for (long long i = first; i < n; i += stride) {
+      bwd_one<Act>(g, u, dy, dg, du, at.gate(i), i);
+    }
   }
+}
+
+template <typename Act, typename T>
+__device__ void forward_flat(const GluParams& p) {
+  forward<Act>(static_cast<const T*>(p.gate), static_cast<const T*>(p.up),
+               static_cast<T*>(p.out0), p.n, p.vec != 0, FlatIndex{});
+}
+
+template <typename Act, typename T>
+__device__ void backward_flat(const GluParams& p) {
+  backward<Act>(static_cast<const T*>(p.gate), static_cast<const T*>(p.up),
+                static_cast<const T*>(p.dy), static_cast<T*>(p.out0), static_cast<T*>(p.out1),
+                p.n, p.vec != 0, FlatIndex{});
+}
+
+template <typename Act, typename T>
+__device__ void forward_packed(const GluPackedParams& p) {
+  const T* gate_up = static_cast<const T*>(p.gate_up);
+  forward<Act>(gate_up, gate_up + p.cols, static_cast<T*>(p.out), p.rows * p.cols, p.vec != 0,
+               PackedIndex{p.cols});
+}
+
+template <typename Act, typename T>
+__device__ void backward_packed(const GluPackedParams& p) {
+  const T* gate_up = static_cast<const T*>(p.gate_up);
+  T* out = static_cast<T*>(p.out);
+  backward<Act>(gate_up, gate_up + p.cols, static_cast<const T*>(p.dy), out, out + p.cols,
+                p.rows * p.cols, p.vec != 0, PackedIndex{p.cols});
 }
 
 }  // namespace graft_glu
 
-// Entry points: graft_glu_{fwd,bwd}_{silu,gelu_tanh,gelu_erf}_{f32,f64,f16,bf16}, 256
-// threads per block (src/glu.rs launches them with that block size).
+// Entry points: graft_glu_{fwd,bwd}_{silu,gelu_tanh,gelu_erf}_{f32,f64,f16,bf16} over flat
+// arrays and graft_glu_packed_{fwd,bwd}_silu_{f32,f64,f16,bf16} over packed rows, 256 threads
+// per block (mod.rs launches them with that block size).
 #define GRAFT_GLU(ACT, ACTN, DT, T)                                                       \
   extern "C" __global__ void __launch_bounds__(256)                                       \
       graft_glu_fwd_##ACTN##_##DT(const graft_glu::GluParams p) {                         \
-    graft_glu::forward<graft_glu::ACT, T>(p);                                             \
+    graft_glu::forward_flat<graft_glu::ACT, T>(p);                                        \
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(256)                                       \
       graft_glu_bwd_##ACTN##_##DT(const graft_glu::GluParams p) {                         \
-    graft_glu::backward<graft_glu::ACT, T>(p);                                            \
+    graft_glu::backward_flat<graft_glu::ACT, T>(p);                                       \
   }
 
 #define GRAFT_GLU_DTYPES(ACT, ACTN)          \
@@ -207,3 +264,19 @@ __device__ void backward(const GluParams& p) {
 GRAFT_GLU_DTYPES(Silu, silu)
 GRAFT_GLU_DTYPES(GeluTanh, gelu_tanh)
 GRAFT_GLU_DTYPES(GeluErf, gelu_erf)
+
+// SwiGLU over packed rows (torchgraft::swiglu_packed): SiLU only, the activation MoE experts use.
+#define GRAFT_GLU_PACKED(ACT, ACTN, DT, T)                                                \
+  extern "C" __global__ void __launch_bounds__(256)                                       \
+      graft_glu_packed_fwd_##ACTN##_##DT(const graft_glu::GluPackedParams p) {            \
+    graft_glu::forward_packed<graft_glu::ACT, T>(p);                                      \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256)                                       \
+      graft_glu_packed_bwd_##ACTN##_##DT(const graft_glu::GluPackedParams p) {            \
+    graft_glu::backward_packed<graft_glu::ACT, T>(p);                                     \
+  }
+
+GRAFT_GLU_PACKED(Silu, silu, f32, float)
+GRAFT_GLU_PACKED(Silu, silu, f64, double)
+GRAFT_GLU_PACKED(Silu, silu, f16, __half)
+GRAFT_GLU_PACKED(Silu, silu, bf16, __nv_bfloat16)

@@ -9,14 +9,18 @@
 //! (`activation::math_for`).
 //!
 //! Here: the calls, their scalar path, and the dispatch to the vector kernels; `activation`: the
-//! activations and their derivatives, scalar and lane-wise; `lanes`: the vector loops.
+//! activations and their derivatives, scalar and lane-wise; `lanes`: the vector loops;
+//! `packed`: the same calls over rows that hold `[gate | up]` side by side (a fused gate-and-up
+//! projection's output, as mixture-of-experts layers make it).
 
 mod activation;
 mod lanes;
+mod packed;
 
 use self::activation::eval;
 pub use self::activation::GluMath;
 use self::lanes::{backward_in_place_lanes, backward_lanes, forward_lanes};
+pub use self::packed::{backward_packed, backward_packed_in_place, forward_packed};
 use crate::blocks;
 use crate::float::Float;
 use crate::isa::Isa;
@@ -56,20 +60,11 @@ where
 {
     let n = gate.len();
     check_lengths(n, &[("up", up.len()), ("y", y.len())]);
-    let kernel = kernels::<T>().map(|k| k.forward);
+    let kernel = kernels::<T>();
     let chunks: Vec<&mut [T]> = y.chunks_mut(CHUNK).collect();
     blocks::for_each(par, chunks, CHUNK, |i, y| {
         let at = i * CHUNK..i * CHUNK + y.len();
-        let (gate, up) = (&gate[at.clone()], &up[at]);
-        match kernel {
-            Some(kernel) => kernel(act, gate, up, y),
-            None => {
-                for (y, (&g, &u)) in y.iter_mut().zip(gate.iter().zip(up)) {
-                    let (f, _) = eval(act, g.to_acc());
-                    *y = T::from_acc(f * u.to_acc());
-                }
-            }
-        }
+        forward_span(kernel, act, &gate[at.clone()], &up[at], y);
     });
 }
 
@@ -98,24 +93,13 @@ pub fn backward<T: Float>(
             ("dup", dup.len()),
         ],
     );
-    let kernel = kernels::<T>().map(|k| k.backward);
+    let kernel = kernels::<T>();
     let chunks: Vec<(&mut [T], &mut [T])> =
         dgate.chunks_mut(CHUNK).zip(dup.chunks_mut(CHUNK)).collect();
     blocks::for_each(par, chunks, CHUNK, |i, (dg, du)| {
         let at = i * CHUNK..i * CHUNK + dg.len();
         let (gate, up, dy) = (&gate[at.clone()], &up[at.clone()], &dy[at]);
-        match kernel {
-            Some(kernel) => kernel(act, gate, up, dy, dg, du),
-            None => {
-                let inputs = gate.iter().zip(up).zip(dy);
-                for ((dg, du), ((&g, &u), &d)) in dg.iter_mut().zip(du.iter_mut()).zip(inputs) {
-                    let (f, df) = eval(act, g.to_acc());
-                    let d = d.to_acc();
-                    *dg = T::from_acc(d * u.to_acc() * df);
-                    *du = T::from_acc(d * f);
-                }
-            }
-        }
+        backward_span(kernel, act, gate, up, dy, dg, du);
     });
 }
 
@@ -136,22 +120,83 @@ pub fn backward_in_place<T: Float>(
 {
     let n = gate.len();
     check_lengths(n, &[("up", up.len()), ("dy", dy.len())]);
-    let kernel = kernels::<T>().map(|k| k.backward_in_place);
+    let kernel = kernels::<T>();
     let chunks: Vec<(&mut [T], &mut [T])> =
         gate.chunks_mut(CHUNK).zip(up.chunks_mut(CHUNK)).collect();
     blocks::for_each(par, chunks, CHUNK, |i, (g, u)| {
         let dy = &dy[i * CHUNK..i * CHUNK + g.len()];
-        match kernel {
-            Some(kernel) => kernel(act, g, u, dy),
-            None => {
-                for ((g, u), &d) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
-                    let (f, df) = eval(act, g.to_acc());
-                    let d = d.to_acc();
-                    (*g, *u) = (T::from_acc(d * u.to_acc() * df), T::from_acc(d * f));
-                }
+        backward_in_place_span(kernel, act, g, u, dy);
+    });
+}
+
+/// [`forward`] over one span of equal-length slices, on the calling thread: the vector kernel
+/// when `T` has one, else element by element.
+fn forward_span<T: Float>(
+    kernel: Option<Kernels<T>>,
+    act: Activation,
+    gate: &[T],
+    up: &[T],
+    y: &mut [T],
+) where
+    T::Acc: GluMath,
+{
+    match kernel {
+        Some(kernel) => (kernel.forward)(act, gate, up, y),
+        None => {
+            for (y, (&g, &u)) in y.iter_mut().zip(gate.iter().zip(up)) {
+                let (f, _) = eval(act, g.to_acc());
+                *y = T::from_acc(f * u.to_acc());
             }
         }
-    });
+    }
+}
+
+/// [`backward`] over one span, on the calling thread (as [`forward_span`]).
+fn backward_span<T: Float>(
+    kernel: Option<Kernels<T>>,
+    act: Activation,
+    gate: &[T],
+    up: &[T],
+    dy: &[T],
+    dgate: &mut [T],
+    dup: &mut [T],
+) where
+    T::Acc: GluMath,
+{
+    match kernel {
+        Some(kernel) => (kernel.backward)(act, gate, up, dy, dgate, dup),
+        None => {
+            let inputs = gate.iter().zip(up).zip(dy);
+            for ((dg, du), ((&g, &u), &d)) in dgate.iter_mut().zip(dup.iter_mut()).zip(inputs) {
+                let (f, df) = eval(act, g.to_acc());
+                let d = d.to_acc();
+                *dg = T::from_acc(d * u.to_acc() * df);
+                *du = T::from_acc(d * f);
+            }
+        }
+    }
+}
+
+/// [`backward_in_place`] over one span, on the calling thread (as [`forward_span`]).
+fn backward_in_place_span<T: Float>(
+    kernel: Option<Kernels<T>>,
+    act: Activation,
+    gate: &mut [T],
+    up: &mut [T],
+    dy: &[T],
+) where
+    T::Acc: GluMath,
+{
+    match kernel {
+        Some(kernel) => (kernel.backward_in_place)(act, gate, up, dy),
+        None => {
+            for ((g, u), &d) in gate.iter_mut().zip(up.iter_mut()).zip(dy) {
+                let (f, df) = eval(act, g.to_acc());
+                let d = d.to_acc();
+                (*g, *u) = (T::from_acc(d * u.to_acc() * df), T::from_acc(d * f));
+            }
+        }
+    }
 }
 
 /// `(act, gate, up, dy, dgate, dup)`: [`backward_lanes`] over one chunk.
