@@ -40,8 +40,11 @@ def _experts_rows(report: torchgraft.AdoptionReport) -> list:
     return [r for r in report.rows if r.kind == "moe_experts"]
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+# Each family under one of transformers' implementations, each implementation once.
+@pytest.mark.parametrize(
+    ("family", "implementation"),
+    list(zip(MOE_FAMILIES, ["grouped_mm", "batched_mm", "eager"], strict=True)),
+)
 def test_experts_are_adopted_and_train_like_stock(family: str, implementation: str) -> None:
     stock, model = tiny_moe_model(family, implementation), tiny_moe_model(family, implementation)
     ids = _ids()
@@ -50,9 +53,9 @@ def test_experts_are_adopted_and_train_like_stock(family: str, implementation: s
     try:
         rows = _experts_rows(report)
         assert len(rows) == 2 and all(r.status == "adopted" for r in rows), rows
-        assert all(
-            r.route == "grouped, the model's gating -> torchgraft::moe_permute" for r in rows
-        ), rows
+        assert all(r.route == "grouped, fused SwiGLU -> torchgraft::moe_permute" for r in rows), (
+            rows
+        )
         torchgraft.reset_stats()
         with torchgraft.enabled():
             loss, grads = _step(model, ids)
@@ -61,6 +64,7 @@ def test_experts_are_adopted_and_train_like_stock(family: str, implementation: s
         # moe_unpermute: each block's forward, and moe_permute's backward
         assert stats["native/torchgraft::moe_unpermute/CPU"]["calls"] == 4
         assert stats["native/torchgraft::moe_unpermute_backward/CPU"]["calls"] == 2
+        assert stats["native/torchgraft::swiglu_packed/CPU"]["calls"] == 2
     finally:
         torchgraft.unadopt(model)
     assert _rel(loss, want_loss) < 1e-5
@@ -151,6 +155,36 @@ def test_the_blocks_own_gating_and_its_hooks_run_inside_the_replacement() -> Non
     assert _rel(loss, want_loss) < 1e-5
     for got, want in zip(grads, want_grads, strict=True):
         assert _rel(got, want) < 1e-4
+
+
+def test_fused_gating_steps_aside_for_a_hook_and_another_activation() -> None:
+    """``swiglu_packed`` serves the gating only where it computes what the block's own would
+    and bypasses nothing: a hook on the activation sends that block's calls to its own
+    ``_apply_gate``; a GELU activation fails the probe's SiLU check and keeps the model's gating."""
+    stock, model = tiny_moe_model("qwen3_moe"), tiny_moe_model("qwen3_moe")
+    ids = _ids()
+    want_loss, want_grads = _step(stock, ids)
+    torchgraft.adopt(model)
+    try:
+        calls: list[int] = []
+        experts = model.model.layers[0].mlp.experts
+        handle = experts.act_fn.register_forward_hook(lambda *a: calls.append(1))
+        torchgraft.reset_stats()
+        with torchgraft.enabled():
+            loss, grads = _step(model, ids)
+        handle.remove()
+        assert calls == [1]
+        assert torchgraft.stats()["native/torchgraft::swiglu_packed/CPU"]["calls"] == 1
+    finally:
+        torchgraft.unadopt(model)
+    assert _rel(loss, want_loss) < 1e-5
+    for got, want in zip(grads, want_grads, strict=True):
+        assert _rel(got, want) < 1e-4
+    gelu = tiny_moe_model("qwen3_moe", hidden_act="gelu")
+    rows = _experts_rows(torchgraft.adopt(gelu))
+    torchgraft.unadopt(gelu)
+    assert all(r.status == "adopted" for r in rows), rows
+    assert all(r.route.startswith("grouped, the model's gating") for r in rows), rows
 
 
 def test_another_implementation_chosen_later_runs_the_blocks_own_forward() -> None:
