@@ -87,8 +87,10 @@ def test_cuda_matches_float64(dtype, tokens, top_k, experts, hidden, sentinels, 
         tol = max(TOL[w0.dtype], 1e-6 if dtype != torch.float64 else 1e-12)
         assert _rel(w.grad, w64.grad) <= tol
     torch.cuda.synchronize()
+    # Without weights, moe_unpermute's backward is moe_permute of the gradient.
     for op, n in before.items():
-        assert _calls(op) > n, op
+        ran = op != "moe_unpermute_backward" or weights_dtype is not None
+        assert (_calls(op) > n) == ran, op
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
