@@ -59,6 +59,25 @@ def _takes_fused_path(
     return bool(return_dict)
 
 
+def _base_inputs(
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    past_key_values: object,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+) -> dict[str, object]:
+    """The arguments a ``*ForCausalLM`` forward passes on to its base model by name."""
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "past_key_values": past_key_values,
+        "inputs_embeds": inputs_embeds,
+        "use_cache": use_cache,
+    }
+
+
 def _head_loss(
     self: nn.Module,
     linear_cross_entropy: Callable[..., torch.Tensor],
@@ -101,14 +120,9 @@ def _replacement(linear_cross_entropy: Callable[..., torch.Tensor]) -> Variant:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: object,
     ) -> object:
-        inputs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "inputs_embeds": inputs_embeds,
-            "use_cache": use_cache,
-        }
+        inputs = _base_inputs(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache
+        )
         if not _takes_fused_path(self, labels, logits_to_keep, kwargs):
             own = type(self).forward
             return own(self, labels=labels, logits_to_keep=logits_to_keep, **inputs, **kwargs)
@@ -147,14 +161,9 @@ def _moe_replacement(linear_cross_entropy: Callable[..., torch.Tensor]) -> Varia
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: object,
     ) -> object:
-        inputs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "inputs_embeds": inputs_embeds,
-            "use_cache": use_cache,
-        }
+        inputs = _base_inputs(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache
+        )
         if not _takes_fused_path(self, labels, logits_to_keep, kwargs):
             own = type(self).forward
             return own(
