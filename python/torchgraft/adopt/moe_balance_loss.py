@@ -55,7 +55,7 @@ def _replacement(own: Callable[..., object]) -> Callable[..., object]:
             _, chosen = torch.topk(weights, top_k, dim=-1)
             chosen = chosen.reshape(-1)
             ones = torch.ones(chosen.shape, dtype=torch.float32, device=device)
-            counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen, ones)
+            counts.scatter_add_(0, chosen, ones)  # a fresh buffer no graph records
             probs = probs + weights.float().sum(dim=0)
             rows += weights.shape[0]
         return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
