@@ -12,6 +12,11 @@
 #   2) ... DSL_CHECK_STAGES=tests,rms_norm bash bench/dsl_gpu_check.sh
 #   3) carry [".cuteB", ".dslwhl"]:  DSL_CHECK_STAGES=attention,helion bash bench/dsl_gpu_check.sh
 # (a warm machine keeps /tmp/site and FA4's compiled kernels, so call 3 installs nothing).
+# DSL_CHECK_QUICK= (set, empty) times the RMSNorm routes in full instead of --quick.
+# With cuTile too (the one-run table of every DSL): first the three calls of
+# bench/cutile_gpu_check.sh (it installs cuTile's toolchain into /tmp/site), then calls 1 and 2
+# with DSL_CHECK_STAGES=rms_norm: the RMSNorm stage adds the cuTile route when it finds that
+# toolchain installed.
 #
 # $OUT gets (8 files at most come back): check.log (everything printed), doctor.json,
 # tests.xml (junit), attention_fa4.json, attention_crossover.json (copy to
@@ -50,6 +55,18 @@ cp /tmp/site/torchgraft/_native*.so python/torchgraft/ 2>/dev/null ||
 export PYTHONPATH="$PWD/python:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
 export PYTHONUNBUFFERED=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+RMS_ROUTES=aten,compile,torchgraft-native,torchgraft-triton,torchgraft-cutedsl,torchgraft-helion
+if [ -f /tmp/site/.cutile-installed ]; then
+    # As bench/cutile_gpu_check.sh: the pip tileiras takes libNVVM and ptxas 13.4 from the folder
+    # above its bin/ only without CUDA_HOME (the machine's 13.0 ones fail).
+    unset CUDA_HOME CUDA_PATH CUDA_ROOT
+    export PATH="$PATH:/tmp/site/nvidia/cu13/bin"
+    export CUDA_TILE_TEMP_DIR=/tmp/cutile-tmp CUDA_TILE_CACHE_DIR=/tmp/cutile-cache
+    export CUDA_TILE_ENABLE_CRASH_DUMP=0
+    # One table of every DSL: torch.compile is not a DSL route, and its compiles take the time.
+    RMS_ROUTES=aten,torchgraft-native,torchgraft-triton,torchgraft-cutedsl,torchgraft-helion,torchgraft-cutile
+    echo "  cuTile toolchain installed: the RMSNorm stage runs the cuTile route too"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 stage "doctor"
@@ -79,11 +96,11 @@ if wanted attention; then
 fi
 
 if wanted rms_norm; then
-    stage "RMSNorm: quack vs native vs Triton vs Helion vs ATen"
+    stage "RMSNorm: $RMS_ROUTES"
     if [ "$(left)" -gt 45 ]; then
         timeout $(( $(left) - 15 )) python3 -m torchgraft bench rms_norm --device cuda --dtype bf16 \
-            --routes aten,compile,torchgraft-native,torchgraft-triton,torchgraft-cutedsl,torchgraft-helion \
-            --shapes 8x4096x4096,32768x4096,4096x8192,16384x2048 --quick --no-plot --out "$OUT/rms_norm"
+            --routes "$RMS_ROUTES" --shapes 8x4096x4096,32768x4096,4096x8192,16384x2048 \
+            ${DSL_CHECK_QUICK---quick} --no-plot --out "$OUT/rms_norm"
     else
         echo "skipped: no time left"
     fi
