@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares cuTile for the GPU machine (Python 3.12, no network, 64 MiB of git-ignored files a
-# call): cuda-tile and the toolchain its tileiras runs, ~154 MiB of wheels, packed into three
-# git-ignored folders .tileA, .tileB, .tileC of ~55 MiB each, with torchgraft's own abi3 wheel
+# call): cuda-tile and the toolchain its tileiras runs, ~154 MiB of wheels, packed into four
+# git-ignored folders .tileA to .tileD of ~42 MiB each (a call's 64 MiB also counts the
+# tracked tree, ~10 MiB), with torchgraft's own abi3 wheel
 # from dist/ (the native route, to time against; 'make wheel' builds it). In the project's root:
 #   bash bench/cutile_carry.sh
 #
@@ -21,12 +22,13 @@
 # extension names libnvJitLink or libcudart, and a 13.4 cudart beside torch's 13.0 one is a risk
 # for nothing.
 #
-# The wheels go into one tar, split in three equal pieces (one a call); the last call's
+# The wheels go into one tar, split in four equal pieces (one a call); the last call's
 # bench/cutile_gpu_check.sh joins them, checks the sha256 in MANIFEST and installs.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 exclude=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$exclude")"
-for folder in .tileA .tileB .tileC; do
+FOLDERS=(.tileA .tileB .tileC .tileD)
+for folder in "${FOLDERS[@]}"; do
     grep -qx "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >> "$exclude"
 done
 CUTILE=${CUTILE_VERSION:-1.7.0}
@@ -47,26 +49,28 @@ else
     echo "no dist/torchgraft-*-abi3-*.whl ('make wheel' builds it): the native route will be off"
 fi
 (cd "$dl/wheels" && tar -cf ../cutile-wheels.tar ./*.whl)
-rm -rf .tileA .tileB .tileC; mkdir .tileA .tileB .tileC
-(cd "$dl" && split -n 3 -d cutile-wheels.tar piece.)
-mv "$dl/piece.00" .tileA/; mv "$dl/piece.01" .tileB/; mv "$dl/piece.02" .tileC/
+rm -rf .tileA .tileB .tileC .tileD; mkdir "${FOLDERS[@]}"
+(cd "$dl" && split -n ${#FOLDERS[@]} -d cutile-wheels.tar piece.)
+for i in "${!FOLDERS[@]}"; do mv "$dl/piece.0$i" "${FOLDERS[$i]}/"; done
 {
-    echo "# cuTile for the GPU machine: cat piece.00 piece.01 piece.02 > cutile-wheels.tar"
+    echo "# cuTile for the GPU machine: cat piece.0* > cutile-wheels.tar"
     echo "tar $(sha256sum "$dl/cutile-wheels.tar" | cut -d' ' -f1) cutile-wheels.tar"
-    for piece in .tileA/piece.00 .tileB/piece.01 .tileC/piece.02; do
+    for folder in "${FOLDERS[@]}"; do
+        piece=$(ls "$folder"/piece.0*)
         echo "piece $(sha256sum "$piece" | cut -d' ' -f1) $(basename "$piece")"
     done
     (cd "$dl/wheels" && for w in *.whl; do echo "wheel $(sha256sum "$w" | cut -d' ' -f1) $w $(stat -c %s "$w")"; done)
-} > .tileC/MANIFEST
-cat .tileC/MANIFEST
-du -b --apparent-size -s .tileA .tileB .tileC | awk '{printf "%-7s %6.1f MiB\n", $2, $1 / 1048576}'
-for folder in .tileA .tileB .tileC; do
+} > .tileD/MANIFEST
+cat .tileD/MANIFEST
+du -b --apparent-size -s "${FOLDERS[@]}" | awk '{printf "%-7s %6.1f MiB\n", $2, $1 / 1048576}'
+for folder in "${FOLDERS[@]}"; do
     size=$(du -b --apparent-size -s "$folder" | cut -f1)
-    [ "$size" -le $((60 * 1048576)) ] || { echo "$folder is over 60 MiB"; exit 1; }
+    [ "$size" -le $((48 * 1048576)) ] || { echo "$folder is over 48 MiB"; exit 1; }
 done
 cat <<'MSG'
-On the GPU machine, three calls back to back (it keeps /tmp only ~30 s after a call):
+On the GPU machine, four calls back to back (it keeps /tmp only ~30 s after a call):
  1) carry [".tileA"]:  mkdir -p /tmp/tile && cp .tileA/* /tmp/tile/
  2) carry [".tileB"]:  cp .tileB/* /tmp/tile/
- 3) carry [".tileC"]:  bash bench/cutile_gpu_check.sh
+ 3) carry [".tileC"]:  cp .tileC/* /tmp/tile/
+ 4) carry [".tileD"]:  bash bench/cutile_gpu_check.sh
 MSG

@@ -5,12 +5,13 @@
 # cuTile RMSNorm's CUDA tests and a timing against ATen and the native route. Everything goes
 # to $OUT/cutile.log.
 #
-# Prepared here (repo root):  bash bench/cutile_carry.sh   (.tileA, .tileB, .tileC; ~55 MiB each)
-# Then three device calls back to back (the machine keeps /tmp only ~30 s after a call):
+# Prepared here (repo root):  bash bench/cutile_carry.sh   (.tileA to .tileD; ~42 MiB each)
+# Then four device calls back to back (the machine keeps /tmp only ~30 s after a call):
 #   1) carry [".tileA"]:  mkdir -p /tmp/tile && cp .tileA/* /tmp/tile/
 #   2) carry [".tileB"]:  cp .tileB/* /tmp/tile/
-#   3) carry [".tileC"]:  bash bench/cutile_gpu_check.sh
-# A warm machine keeps /tmp/site: a later call with carry [".tileC"] installs nothing, and
+#   3) carry [".tileC"]:  cp .tileC/* /tmp/tile/
+#   4) carry [".tileD"]:  bash bench/cutile_gpu_check.sh
+# A warm machine keeps /tmp/site: a later call with carry [".tileD"] installs nothing, and
 # CUTILE_CHECK_STAGES=tests,bench (of diag,tests,bench) picks stages.
 #
 # $OUT gets (8 files at most come back): cutile.log, doctor.json, tests.xml (junit),
@@ -47,11 +48,12 @@ stage "install"
 if [ -f $SITE/.cutile-installed ]; then
     echo "  $SITE already installed (warm machine)"
 else
-    cp .tileC/piece.02 /tmp/tile/ 2>/dev/null || { echo "no .tileC carried"; exit 1; }
+    cp .tileD/piece.0* /tmp/tile/ 2>/dev/null || { echo "no .tileD carried"; exit 1; }
     ls -la /tmp/tile
-    (cd /tmp/tile && cat piece.00 piece.01 piece.02 > cutile-wheels.tar) ||
-        { echo "missing pieces: run calls 1 and 2 right before this one"; exit 1; }
-    want=$(awk '$1 == "tar" {print $2}' .tileC/MANIFEST)
+    pieces=$(awk '$1 == "piece" {print $3}' .tileD/MANIFEST)
+    (cd /tmp/tile && cat $pieces > cutile-wheels.tar) ||
+        { echo "missing pieces: run calls 1 to 3 right before this one"; exit 1; }
+    want=$(awk '$1 == "tar" {print $2}' .tileD/MANIFEST)
     got=$(sha256sum /tmp/tile/cutile-wheels.tar | cut -d' ' -f1)
     [ "$want" = "$got" ] || { echo "sha256 mismatch: $got, MANIFEST says $want"; exit 1; }
     rm -f /tmp/tile/piece.0*
