@@ -5,6 +5,8 @@ model`` (issues 17 and 35).
     torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 8b \
         --variants stock,liger-flce,torchgraft,compile-regional+torchgraft --reduce-dtype fp32
     torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 8b --seq 8192 --checkpointing
+    torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 1b --ddp
+    torchrun --nproc-per-node 2 bench/fsdp2_train_step.py --size 8b --profile
 
 Every rank builds the same transformers model from a config (``torchgraft.bench.model_zoo``,
 random weights from one seed), applies the variant (``model_variants.VARIANTS``: torchgraft's
@@ -16,7 +18,11 @@ processes, each ``--steps`` steps from the same weights and data; the first ``--
 timed. Reported: median ms per step (wall clock around the whole step, synchronized), tokens/s
 per GPU, MFU (``model_zoo.flops_per_step`` over the GPU's dense bf16 peak), peak memory per GPU,
 the loss of every step (mean over ranks) and its largest difference from stock's, and the grafts
-that ran on each rank.
+that ran on each rank. ``--ddp`` replicates the model with DistributedDataParallel instead of
+sharding it. ``--profile`` records one more step of each variant under ``torch.profiler`` and
+reports, per rank, the GPU time by kind of kernel (GEMM, attention, NCCL, optimizer, the rest),
+how much of the step some compute kernel ran, and how much of the communication ran alongside
+compute: what a faster kernel can still win, and what it cannot.
 
 On a machine without GPUs it runs on gloo, in float32 (``--size tiny``): a smoke test (CI runs it).
 """
@@ -75,6 +81,16 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="param",
         help="FSDP2's gradient reduce-scatter dtype (default: the parameters')",
     )
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="DistributedDataParallel (the model replicated) instead of FSDP2",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step per variant: GPU time by kind of kernel, per rank",
+    )
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--steps", type=int, default=20, help="steps per variant (default 20)")
     p.add_argument("--warmup", type=int, default=4, help="untimed first steps (default 4)")
@@ -121,7 +137,18 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
         model.gradient_checkpointing_enable()
     prepared = variant.prepare(model, setting)
     torchgraft.reset_stats()  # count the steps' calls, not adopt's probes
-    _shard(model, args.reduce_dtype == "fp32")
+    call = prepared.call
+    if args.ddp:
+        if prepared.call is not model:
+            prepared.undo()
+            return {"error": "not run: under --ddp the variant must call the model itself"}
+        from torch.nn.parallel import DistributedDataParallel
+
+        call = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    else:
+        _shard(model, args.reduce_dtype == "fp32")
     try:
         params = list(model.parameters())
         try:
@@ -133,19 +160,24 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         losses, times = [], []
+
+        def step(batch: torch.Tensor) -> float:
+            loss = call(input_ids=batch, labels=batch, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            return mean.item() / dist.get_world_size()
+
         with prepared.active():
             for batch in batches:
                 _sync(device)
                 start = time.perf_counter()
-                loss = prepared.call(input_ids=batch, labels=batch, use_cache=False).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                mean = loss.detach().float().clone()
-                dist.all_reduce(mean)
-                losses.append(mean.item() / dist.get_world_size())
+                losses.append(step(batch))
                 _sync(device)
                 times.append(time.perf_counter() - start)
+            profile = _profile(lambda: step(batches[-1]), device) if args.profile else None
         timed = times[args.warmup :]
         ms = 1e3 * statistics.median(timed)
         result: dict[str, Any] = {
@@ -158,6 +190,10 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
             "losses": losses,
             "notes": prepared.notes,
         }
+        if profile is not None:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, profile)
+            result["profile_per_rank"] = everyone
         if variant.grafts:
             grafts = {k: v["calls"] for k, v in torchgraft.stats().items() if v["calls"]}
             everyone: list[Any] = [None] * dist.get_world_size()
@@ -172,10 +208,86 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.empty_cache()
 
 
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("optimizer", ("adam",)),
+)
+"""Kinds of kernel by what their names contain (checked in order; the rest are ``other``)."""
+
+
+def _kind(name: str) -> str:
+    lower = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(m in lower for m in marks):
+            return kind
+    return "other"
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of time intervals, as disjoint sorted intervals."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time two disjoint sorted interval lists share."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _profile(step: Any, device: torch.device) -> dict[str, Any]:
+    """One step under torch.profiler: wall time, GPU time by kind of kernel (summed), the time
+    some compute kernel ran, the time NCCL ran, and how much of it ran alongside compute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        wall_ms = 1e3 * (time.perf_counter() - start)
+    kind = torch.autograd.DeviceType.CUDA
+    by_kind: dict[str, float] = {}
+    compute: list[tuple[float, float]] = []
+    comm: list[tuple[float, float]] = []
+    for e in prof.events():
+        if e.device_type != kind or e.time_range.elapsed_us() <= 0:
+            continue
+        k = _kind(e.name)
+        span = (float(e.time_range.start), float(e.time_range.end))
+        by_kind[k] = by_kind.get(k, 0.0) + e.time_range.elapsed_us() / 1e3
+        (comm if k == "nccl" else compute).append(span)
+    compute, comm = _merged(compute), _merged(comm)
+    return {
+        "wall_ms": wall_ms,
+        "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "compute_busy_ms": sum(b - a for a, b in compute) / 1e3,
+        "nccl_busy_ms": sum(b - a for a, b in comm) / 1e3,
+        "nccl_alongside_compute_ms": _overlap(compute, comm) / 1e3,
+    }
+
+
 def _markdown(report: dict[str, Any]) -> str:
     stock = report["variants"]["stock"]
     lines = [
-        f"# FSDP2 training step: {report['size']} {report['family']}, {report['world']} ranks",
+        f"# {'DDP' if report['parallel'] == 'ddp' else 'FSDP2'} training step: {report['size']} "
+        f"{report['family']}, {report['world']} ranks",
         "",
         f"{report['device']}; torch {report['torch']}, transformers {report['transformers']}; "
         f"{report['dtype']}, batch {report['batch']} x {report['seq']} tokens per rank, "
@@ -205,6 +317,23 @@ def _markdown(report: dict[str, Any]) -> str:
         lines += ["", f"{name}: grafts that ran (calls per rank):", ""]
         for key in sorted(grafts[0]):
             lines.append(f"- `{key}`: " + ", ".join(str(g.get(key, 0)) for g in grafts))
+    for name, r in report["variants"].items():
+        if "profile_per_rank" not in r:
+            continue
+        lines += [
+            "",
+            f"{name}: one profiled step (ms; kernel time summed by kind; compute busy = the "
+            "time some non-NCCL kernel ran):",
+            "",
+            "| rank | wall | compute busy | NCCL busy | NCCL alongside compute | by kind |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for rank, p in enumerate(r["profile_per_rank"]):
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["kernel_ms_by_kind"].items())
+            lines.append(
+                f"| {rank} | {p['wall_ms']:.1f} | {p['compute_busy_ms']:.1f} | "
+                f"{p['nccl_busy_ms']:.1f} | {p['nccl_alongside_compute_ms']:.1f} | {kinds} |"
+            )
     lines.append("")
     lines.append(f"Command: `{report['command']}`")
     return "\n".join(lines) + "\n"
@@ -269,6 +398,7 @@ def _report(
         "peak_tflops": peak,
         "checkpointing": args.checkpointing,
         "reduce_dtype": args.reduce_dtype,
+        "parallel": "ddp" if args.ddp else "fsdp2",
         "steps": args.steps,
         "warmup": args.warmup,
         "command": "torchrun --nproc-per-node "
@@ -277,14 +407,18 @@ def _report(
         f"--steps {args.steps} --warmup {args.warmup}"
         + (f" --seq {args.seq}" if args.seq else "")
         + (" --checkpointing" if args.checkpointing else "")
-        + f" --reduce-dtype {args.reduce_dtype}",
+        + f" --reduce-dtype {args.reduce_dtype}"
+        + (" --ddp" if args.ddp else "")
+        + (" --profile" if args.profile else ""),
         "variants": variants,
     }
     text = _markdown(report)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"fsdp2_{args.size}_{args.family}_x{dist.get_world_size()}"
+        stem = (
+            f"{'ddp' if args.ddp else 'fsdp2'}_{args.size}_{args.family}_x{dist.get_world_size()}"
+        )
         if args.seq:
             stem += f"_seq{args.seq}"
         (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
