@@ -161,11 +161,15 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.reset_peak_memory_stats(device)
         losses, times = [], []
 
-        def step(batch: torch.Tensor) -> float:
+        def step(batch: torch.Tensor, peaks: dict[str, float] | None = None) -> float:
+            mark = _peak_marker(device, peaks)
             loss = call(input_ids=batch, labels=batch, use_cache=False).loss
+            mark("forward")
             loss.backward()
+            mark("backward")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            mark("optimizer")
             mean = loss.detach().float().clone()
             dist.all_reduce(mean)
             return mean.item() / dist.get_world_size()
@@ -177,16 +181,24 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
                 losses.append(step(batch))
                 _sync(device)
                 times.append(time.perf_counter() - start)
-            profile = _profile(lambda: step(batches[-1]), device) if args.profile else None
+            cuda = device.type == "cuda"
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+            profile = None
+            if args.profile:
+                peaks: dict[str, float] = {}
+                if cuda:
+                    peaks["before the step"] = torch.cuda.memory_allocated(device) / 2**30
+                    torch.cuda.reset_peak_memory_stats(device)
+                step(batches[-1], peaks)
+                profile = _profile(lambda: step(batches[-1]), device)
+                profile["peak_gib_by_phase"] = peaks
         timed = times[args.warmup :]
         ms = 1e3 * statistics.median(timed)
         result: dict[str, Any] = {
             "ms_per_step": ms,
             "ms_all": [1e3 * t for t in timed],
             "tokens_per_s_per_gpu": size.tokens / (ms / 1e3),
-            "peak_gib": (
-                torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            ),
+            "peak_gib": peak,
             "losses": losses,
             "notes": prepared.notes,
         }
@@ -248,6 +260,18 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+def _peak_marker(device: torch.device, peaks: dict[str, float] | None) -> Any:
+    """``mark(phase)`` records the peak memory since the last mark under ``phase`` and resets it
+    (CUDA, and only when ``peaks`` is given: the timed steps are left alone)."""
+
+    def mark(phase: str) -> None:
+        if peaks is not None and device.type == "cuda":
+            peaks[phase] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+
+    return mark
+
+
 def _profile(step: Any, device: torch.device) -> dict[str, Any]:
     """One step under torch.profiler: wall time, GPU time by kind of kernel (summed), the time
     some compute kernel ran, the time NCCL ran, and how much of it ran alongside compute."""
@@ -266,9 +290,11 @@ def _profile(step: Any, device: torch.device) -> dict[str, Any]:
     by_kind: dict[str, float] = {}
     compute: list[tuple[float, float]] = []
     comm: list[tuple[float, float]] = []
+    by_name: dict[str, float] = {}
     for e in prof.events():
         if e.device_type != kind or e.time_range.elapsed_us() <= 0:
             continue
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
         k = _kind(e.name)
         span = (float(e.time_range.start), float(e.time_range.end))
         by_kind[k] = by_kind.get(k, 0.0) + e.time_range.elapsed_us() / 1e3
@@ -280,6 +306,10 @@ def _profile(step: Any, device: torch.device) -> dict[str, Any]:
         "compute_busy_ms": sum(b - a for a, b in compute) / 1e3,
         "nccl_busy_ms": sum(b - a for a, b in comm) / 1e3,
         "nccl_alongside_compute_ms": _overlap(compute, comm) / 1e3,
+        "top_kernels_ms": [
+            (name[:120], _kind(name), ms)
+            for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
+        ],
     }
 
 
@@ -325,14 +355,17 @@ def _markdown(report: dict[str, Any]) -> str:
             f"{name}: one profiled step (ms; kernel time summed by kind; compute busy = the "
             "time some non-NCCL kernel ran):",
             "",
-            "| rank | wall | compute busy | NCCL busy | NCCL alongside compute | by kind |",
-            "|---|---:|---:|---:|---:|---|",
+            "| rank | wall | compute busy | NCCL busy | NCCL alongside compute | by kind "
+            "| peak GiB by phase |",
+            "|---|---:|---:|---:|---:|---|---|",
         ]
         for rank, p in enumerate(r["profile_per_rank"]):
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["kernel_ms_by_kind"].items())
+            peaks = ", ".join(f"{k} {v:.2f}" for k, v in p["peak_gib_by_phase"].items())
             lines.append(
                 f"| {rank} | {p['wall_ms']:.1f} | {p['compute_busy_ms']:.1f} | "
-                f"{p['nccl_busy_ms']:.1f} | {p['nccl_alongside_compute_ms']:.1f} | {kinds} |"
+                f"{p['nccl_busy_ms']:.1f} | {p['nccl_alongside_compute_ms']:.1f} | {kinds} "
+                f"| {peaks or '-'} |"
             )
     lines.append("")
     lines.append(f"Command: `{report['command']}`")
