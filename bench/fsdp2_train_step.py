@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -383,7 +384,15 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     try:
-        variants = {name: _train(name, args, device) for name in args.variant_names}
+        variants = {}
+        for name in args.variant_names:
+            variants[name] = _train(name, args, device)
+            # FSDP2's modules sit in reference cycles: without a collection the variant's
+            # sharded parameters stay on the GPU through the next variant's steps (7.5 GiB per
+            # rank at 8B, counted in its peak and its memory before each step).
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         size = _size(args)
         shape = build_model(
             build_config(size, FAMILIES[args.family]), torch.device("meta"), torch.float32, 0
