@@ -60,11 +60,13 @@ def test_experts_are_adopted_and_train_like_stock(family: str, implementation: s
         with torchgraft.enabled():
             loss, grads = _step(model, ids)
         stats = torchgraft.stats()
-        assert stats["native/torchgraft::moe_permute/CPU"]["calls"] == 2
+        # moe_permute and swiglu_packed: each block's forward, and again in its backward (the
+        # permuted and gated rows are made again for the weight gradients, not kept)
+        assert stats["native/torchgraft::moe_permute/CPU"]["calls"] == 4
         # moe_unpermute: each block's forward, and moe_permute's backward
         assert stats["native/torchgraft::moe_unpermute/CPU"]["calls"] == 4
         assert stats["native/torchgraft::moe_unpermute_backward/CPU"]["calls"] == 2
-        assert stats["native/torchgraft::swiglu_packed/CPU"]["calls"] == 2
+        assert stats["native/torchgraft::swiglu_packed/CPU"]["calls"] == 4
     finally:
         torchgraft.unadopt(model)
     assert _rel(loss, want_loss) < 1e-5
@@ -149,7 +151,8 @@ def test_the_blocks_own_gating_and_its_hooks_run_inside_the_replacement() -> Non
             loss, grads = _step(model, ids)
         handle.remove()
         assert calls == [1]
-        assert torchgraft.stats()["native/torchgraft::moe_permute/CPU"]["calls"] == 2
+        # each block's forward, and again in its backward (the permuted rows are not kept)
+        assert torchgraft.stats()["native/torchgraft::moe_permute/CPU"]["calls"] == 4
     finally:
         torchgraft.unadopt(model)
     assert _rel(loss, want_loss) < 1e-5
@@ -174,7 +177,8 @@ def test_fused_gating_steps_aside_for_a_hook_and_another_activation() -> None:
             loss, grads = _step(model, ids)
         handle.remove()
         assert calls == [1]
-        assert torchgraft.stats()["native/torchgraft::swiglu_packed/CPU"]["calls"] == 1
+        # the other block only: its forward, and again in its backward (the gated rows)
+        assert torchgraft.stats()["native/torchgraft::swiglu_packed/CPU"]["calls"] == 2
     finally:
         torchgraft.unadopt(model)
     assert _rel(loss, want_loss) < 1e-5
@@ -246,3 +250,50 @@ def test_compiled_adopted_block_has_no_graph_break() -> None:
         torch._dynamo.reset()
     assert _rel(got, want) < 1e-2
     assert _rel(got_grad, want_grad) < 1e-2
+
+
+def test_rows_made_again_in_the_backward_keep_autograds_guarantees() -> None:
+    """The permuted and gated rows are not kept but made again in the backward: under
+    activation checkpointing (another saved-tensor hook) the block keeps them as usual and
+    trains like stock, and an input changed in place after the forward fails the backward (as
+    autograd fails it for a saved tensor) rather than computing with the changed values. Stock's
+    block alone keeps a copy and does not fail; in a model the router saves the same input, and
+    stock fails too."""
+    from torch.utils.checkpoint import checkpoint
+
+    stock, model = tiny_moe_model("qwen3_moe"), tiny_moe_model("qwen3_moe")
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(10, 32, generator=gen)
+    index = torch.rand(10, 8, generator=gen).argsort(dim=-1)[:, :2]
+    weights = torch.rand(10, 2, generator=gen)
+    upstream = torch.randn(10, 32, generator=gen)
+
+    def run(m: torch.nn.Module, checkpointed: bool) -> list[torch.Tensor]:
+        experts = m.model.layers[0].mlp.experts
+        x = hidden.clone().requires_grad_(True)
+        if checkpointed:
+            out = checkpoint(experts, x, index, weights, use_reentrant=False)
+        else:
+            out = experts(x, index, weights)
+        grads = torch.autograd.grad(out, (x, experts.gate_up_proj, experts.down_proj), upstream)
+        return [out.detach(), *grads]
+
+    report = torchgraft.adopt(model)
+    try:
+        assert all(r.status == "adopted" for r in _experts_rows(report))
+        for checkpointed in (False, True):
+            want = run(stock, checkpointed)
+            with torchgraft.enabled():
+                got = run(model, checkpointed)
+            for g, w in zip(got, want, strict=True):
+                assert _rel(g, w) < 1e-5, checkpointed
+        experts = model.model.layers[0].mlp.experts
+        x = hidden.clone().requires_grad_(True)
+        y = x * 1.0
+        with torchgraft.enabled():
+            out = experts(y, index, weights)
+            y.mul_(2.0)  # the block's input changed after the forward
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.backward(upstream)
+    finally:
+        torchgraft.unadopt(model)

@@ -13,7 +13,9 @@ and puts the rows back with an index and a sum; its gather's backward is an accu
 
 - ``functional.moe_sort``: the pairs in expert order, their inverse, the per-expert offsets and
   the count of pairs with a real expert, on the device (no host sync);
-- ``functional.moe_permute``: the gather, whose backward sums each token's rows in one pass;
+- ``functional.moe_permute``: the gather, whose backward sums each token's rows in one pass
+  (the gathered rows are not kept for the first GEMM's weight gradient: the backward gathers
+  them again, ``common.recompute``);
 - the grouped GEMMs the model itself calls (transformers' ``_grouped_mm``: ``torch``'s grouped
   GEMM where it applies, transformers' fallback elsewhere), and the block's own gating between
   them (``self._apply_gate``: its activation module, GPT-OSS's clamped variant alike);
@@ -27,7 +29,8 @@ Adopted only where the layout is the plain one (a gate, ``[gate; up]`` concatena
 and the model runs one of transformers' own implementations (``grouped_mm``, ``batched_mm``,
 ``eager``); every candidate is probed against its own forward with random experts, weights and
 routing, forward and backward. The gating between the GEMMs is ``functional.swiglu_packed`` (one
-pass over the ``[gate; up]`` layout, its gradient written over that intermediate) where the block
+pass over the ``[gate; up]`` layout, its gradient written over that intermediate; its output is
+made again in the backward rather than kept) where the block
 uses transformers' default gating with an activation the probe finds to be SiLU, and no hooks
 would be skipped; the block's own ``_apply_gate`` otherwise (GPT-OSS-style gating, other
 activations, hooks on ``act_fn``: checked on every call).
@@ -46,6 +49,7 @@ from torchgraft.adopt import guard
 from torchgraft.adopt.base import Candidate, Context, Variant
 from torchgraft.adopt.probe import Case, random_tensor, swapped_parameters, training_mode
 from torchgraft.adopt.report import SKIPPED
+from torchgraft.common.recompute import recomputed
 
 OP = "torchgraft::moe_permute"
 """The operator the switches name for this row (``disable_op("moe_permute")`` turns it off)."""
@@ -93,13 +97,22 @@ def _variant(
         top_k = top_k_index.shape[-1]
         perm, inv_perm, offsets, valid = sort(top_k_index, self.num_experts)  # type: ignore[misc]
         rows = permute(hidden_states, perm, valid, top_k)
-        gate_up = grouped_linear(rows, self.gate_up_proj, offsets, self.is_transposed)
+        # The permuted rows (top_k copies of the input) are gathered again for the weight
+        # gradient instead of kept: the input stays alive anyway (the router saved it).
+        again = functools.partial(permute, hidden_states, perm, valid, top_k)
+        with recomputed(rows, again, (hidden_states, perm, valid)):
+            gate_up = grouped_linear(rows, self.gate_up_proj, offsets, self.is_transposed)
         if swiglu is not None and _fused_gate_applies(self, swiglu[1]):
             # gate_up is this forward's own intermediate: its gradient may overwrite it.
             gated = swiglu[0](gate_up, inplace_backward=True)
+            # The gated rows are made again from gate_up for the down GEMM's weight gradient,
+            # which the backward computes before the gating's gradient overwrites gate_up.
+            again = functools.partial(swiglu[0], gate_up, inplace_backward=False)
+            with recomputed(gated, again, (gate_up,)):
+                out = grouped_linear(gated, self.down_proj, offsets, self.is_transposed)
         else:
             gated = self._apply_gate(gate_up)
-        out = grouped_linear(gated, self.down_proj, offsets, self.is_transposed)
+            out = grouped_linear(gated, self.down_proj, offsets, self.is_transposed)
         summed = unpermute(out, inv_perm, valid, top_k_weights, top_k)
         return summed.to(hidden_states.dtype)  # type: ignore[union-attr]
 
