@@ -65,3 +65,21 @@ def test_it_steps_aside_inside_another_saved_tensor_hook() -> None:
     z.backward()
     assert made == []  # the outer hook saw y itself
     assert any(t is y for t in seen)
+
+
+def test_the_dropped_tensor_is_freed_after_the_forward() -> None:
+    """Nothing keeps the target alive once its maker drops it (autograd holds the hooks with
+    every tensor saved in the block: they must not hold the target)."""
+    import gc
+    import weakref
+
+    x, w = _inputs()
+    y = x.exp()
+    with recomputed(y, lambda: x.detach().exp(), (x,)):
+        z = (y * w).sum()
+    dropped = weakref.ref(y)
+    del y
+    gc.collect()
+    assert dropped() is None
+    z.backward()
+    assert x.grad is not None and torch.allclose(x.grad, x.detach().exp() * w.detach())

@@ -16,6 +16,7 @@ apply, and taking the outer one's place would change what it does.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -63,8 +64,12 @@ def recomputed(
         yield
         return
 
+    # autograd keeps both hooks with every tensor saved in the block: a strong reference to the
+    # target here would keep it alive as long as they are, the very memory this saves.
+    target_ref = weakref.ref(target)
+
     def pack(t: Tensor) -> object:
-        return _Recipe(make, sources) if t is target else t
+        return _Recipe(make, sources) if t is target_ref() else t
 
     def unpack(saved: object) -> Tensor:
         return saved() if isinstance(saved, _Recipe) else saved  # type: ignore[return-value]
