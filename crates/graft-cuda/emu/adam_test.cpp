@@ -15,10 +15,15 @@
 
 #include "cuda_emu.h"
 #include "../src/ops/adam/adam.cu"
+#include "emu_common.h"
 
 namespace {
 
 using graft_adam::AdamParams;
+using emu_common::checks;
+using emu_common::fail;
+using emu_common::launch;
+using emu_common::report;
 
 template <typename T>
 using AccT = typename graft_common::Acc<T>::type;
@@ -74,8 +79,6 @@ struct Tensor5 {
   float step = 1;
 };
 
-int failures = 0, checks = 0, launches = 0;
-
 template <typename T, bool ADAMW, bool AMS>
 void run_case(void (*kernel)(AdamParams), const char* name, bool scaled, bool maximize,
               bool lr_on_device, bool skip) {
@@ -125,8 +128,7 @@ void run_case(void (*kernel)(AdamParams), const char* name, bool scaled, bool ma
     chunks += ((long long)ts[i].n + p.chunk - 1) / p.chunk;
   }
   p.first_chunk[ts.size()] = chunks;
-  graft_emu::launch(kernel, unsigned(chunks), 64, 0, p);
-  ++launches;
+  launch(kernel, unsigned(chunks), 64, 0, p);
 
   using A = AccT<T>;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -157,11 +159,12 @@ void run_case(void (*kernel)(AdamParams), const char* name, bool scaled, bool ma
       for (size_t e = 0; e < r.n; ++e) {
         ++checks;
         if (!same_bits(got[e], d[k][e])) {
-          if (++failures <= 20)
-            std::printf("MISMATCH %s scaled=%d max=%d lrdev=%d skip=%d tensor %zu list %d elem %zu: "
-                        "%.9g vs %.9g\n",
-                        name, scaled, maximize, lr_on_device, skip, i, k, e, to_d(got[e]),
-                        to_d(d[k][e]));
+          char what[160], why[64];
+          std::snprintf(what, sizeof what,
+                        "%s scaled=%d max=%d lrdev=%d skip=%d tensor %zu list %d elem %zu", name,
+                        scaled, maximize, lr_on_device, skip, i, k, e);
+          std::snprintf(why, sizeof why, "%.9g vs %.9g", to_d(got[e]), to_d(d[k][e]));
+          fail(what, why);
         }
       }
     }
@@ -190,6 +193,5 @@ int main() {
   RUN_DTYPES(adam, false, ams, true)
   RUN_DTYPES(adamw, true, plain, false)
   RUN_DTYPES(adamw, true, ams, true)
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

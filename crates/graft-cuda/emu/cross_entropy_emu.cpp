@@ -10,11 +10,8 @@
 // accumulate kernel. Everything is compared with a float64 reference; outputs are poisoned with NaN first.
 // Build and run with emu/run_cross_entropy.sh. Exit status 1 on any mismatch.
 
-#include <dlfcn.h>
-
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,110 +24,19 @@ inline float __expf(float v) { return std::exp(v); }
 [[noreturn]] inline void __trap() { std::abort(); }
 
 #include "../src/ops/cross_entropy/cross_entropy.cu"
+#include "emu_common.h"
 
 namespace {
 
-enum class DT { F32, F16, BF16, F64 };
-const char* dt_name(DT d) {
-  switch (d) {
-    case DT::F32: return "f32";
-    case DT::F16: return "f16";
-    case DT::BF16: return "bf16";
-    default: return "f64";
-  }
-}
-size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
-DT acc_of(DT d) { return d == DT::F64 ? DT::F64 : DT::F32; }
+using namespace emu_common;
 
-// "Device" memory: 64-byte aligned host bytes.
-struct Mem {
-  unsigned char* p = nullptr;
-  explicit Mem(size_t bytes) {
-    p = static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64));
-  }
-  ~Mem() { std::free(p); }
-  Mem(const Mem&) = delete;
-  Mem& operator=(const Mem&) = delete;
-};
+Lcg rng{0x5eed1234};
 
-void store(DT d, unsigned char* at, double v) {
-  switch (d) {
-    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DT::F64: std::memcpy(at, &v, 8); break;
-    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-    case DT::BF16: { __nv_bfloat16 h = __float2bfloat16_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-  }
-}
-double load(DT d, const unsigned char* at) {
-  switch (d) {
-    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
-    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
-    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
-  }
-}
-double round_to(DT d, double v) {
-  unsigned char b[8];
-  store(d, b, v);
-  return load(d, b);
-}
-
-unsigned long long rng_state = 0x5eed1234;
-double unit() {
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return double(rng_state >> 11) / double(1ull << 53);
-}
-
-int failures = 0, checks = 0, launches = 0;
-
-// ||out - ref|| / max(||ref||, scale); NaN / inf must match exactly.
+// ||out - ref|| / max(||ref||, scale) <= tol; NaN / inf must match exactly, and an all-zero
+// reference (with no scale) needs exact zeros.
 void check(const std::string& what, const std::vector<double>& out, const std::vector<double>& ref,
            double tol, double scale) {
-  ++checks;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (std::isnan(ref[i]) || std::isinf(ref[i])) {
-      const bool same = std::isnan(ref[i]) ? std::isnan(out[i]) : out[i] == ref[i];
-      if (!same) {
-        ++failures;
-        std::printf("FAIL %s[%zu] = %g, expected %g\n", what.c_str(), i, out[i], ref[i]);
-        return;
-      }
-      continue;
-    }
-    if (!std::isfinite(out[i])) {
-      ++failures;
-      std::printf("FAIL %s[%zu] = %g, expected %g\n", what.c_str(), i, out[i], ref[i]);
-      return;
-    }
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  const double e = std::sqrt(num) / std::max({std::sqrt(den), scale, 1e-300});
-  if (!(e <= tol)) {
-    ++failures;
-    std::printf("FAIL %s: rel err %.3e > %.0e\n", what.c_str(), e, tol);
-  }
-}
-
-double tol(DT d) {
-  switch (d) {
-    case DT::F64: return 1e-12;
-    case DT::F32: return 2e-6;
-    case DT::F16: return 2e-3;
-    default: return 1e-2;
-  }
-}
-
-template <typename P>
-void launch(const std::string& name, unsigned grid, unsigned block, const P& p) {
-  void* f = dlsym(RTLD_DEFAULT, name.c_str());
-  if (!f) {
-    std::printf("FAIL missing kernel %s\n", name.c_str());
-    std::exit(1);
-  }
-  ++launches;
-  graft_emu::launch(reinterpret_cast<void (*)(P)>(f), grid, block, 0, p);
+  check_close(what, out, ref, {.tol = tol, .scale = scale, .zero_exact = true, .specials = true});
 }
 
 enum class Mode { LossOnly, Separate, OtherPhase, InPlace };
@@ -171,7 +77,7 @@ void run_case(const Case& c) {
                           " grid " + std::to_string(c.grid);
 
   std::vector<double> x(n);
-  for (auto& v : x) v = round_to(d, (unit() * 2 - 1) * 6);
+  for (auto& v : x) v = round_to(d, (rng.unit() * 2 - 1) * 6);
   if (c.masked) {
     // -inf over a run longer than one thread's share of small blocks, and over the row's
     // first element (the head path).
@@ -184,11 +90,11 @@ void run_case(const Case& c) {
   }
   std::vector<long long> target(c.rows);
   for (long r = 0; r < c.rows; ++r) {
-    target[r] = (r % 3 == 1) ? kIgnore : (long long)(unit() * c.cols);
+    target[r] = (r % 3 == 1) ? kIgnore : (long long)(rng.unit() * c.cols);
     if (c.masked && target[r] != kIgnore) target[r] = c.cols - 1 - target[r] % ((c.cols + 1) / 2);
   }
   std::vector<double> rs(c.rows);
-  for (auto& v : rs) v = round_to(acc, 0.5 + unit());
+  for (auto& v : rs) v = round_to(acc, 0.5 + rng.unit());
 
   // Reference (float64).
   long valid = 0;
@@ -225,8 +131,8 @@ void run_case(const Case& c) {
   for (size_t i = 0; i < n; ++i) store(d, X.p + (off + i) * es, x[i]);
   for (long r = 0; r < c.rows; ++r) store(acc, RS.p + r * as, rs[r]);
   std::memcpy(T.p, target.data(), c.rows * 8);
-  for (long r = 0; r < c.rows; ++r) store(acc, L.p + r * as, NAN);
-  for (size_t i = 0; i < n + 2; ++i) store(d, G.p + i * es, NAN);
+  poison(acc, L.p, c.rows);
+  poison(d, G.p, n + 2);
   store(DT::F64, CNT.p, NAN);
 
   unsigned char* logits = X.p + off * es;
@@ -240,7 +146,7 @@ void run_case(const Case& c) {
 
   graft_ce::CeCountParams cp{reinterpret_cast<const long long*>(T.p),
                              reinterpret_cast<double*>(CNT.p), c.rows, c.cols, kIgnore};
-  launch("graft_ce_count", 1, 1024, cp);
+  launch("graft_ce_count", 1, 1024, 0, cp);
   check("count " + ctx, {load(DT::F64, CNT.p)}, {double(valid)}, 0, 0);
 
   graft_ce::CeRowsParams p{};
@@ -256,7 +162,7 @@ void run_case(const Case& c) {
   p.on_target = 1 - c.eps;
   p.per_class = c.eps / c.cols;
   p.smoothing = c.eps > 0;
-  launch(std::string("graft_ce_rows_") + dt_name(d), c.grid, c.block, p);
+  launch(std::string("graft_ce_rows_") + dt_name(d), c.grid, c.block, 0, p);
 
   std::vector<double> lout(c.rows);
   for (long r = 0; r < c.rows; ++r) lout[r] = load(acc, L.p + r * as);
@@ -274,7 +180,7 @@ void run_case(const Case& c) {
   store(acc, OUT.p, NAN);
   graft_ce::CeReduceParams rp{L.p, c.mean ? reinterpret_cast<const double*>(CNT.p) : nullptr,
                               OUT.p, c.rows};
-  launch(std::string("graft_ce_reduce_") + dt_name(acc), 1, 1024, rp);
+  launch(std::string("graft_ce_reduce_") + dt_name(acc), 1, 1024, 0, rp);
   double total = 0;
   for (long r = 0; r < c.rows; ++r) total += lout[r];
   if (c.mean) total /= double(valid);
@@ -286,11 +192,12 @@ void scale_case(DT d, long rows, long cols, bool per_row, bool in_place, bool of
   const size_t es = dt_size(d), as = dt_size(acc);
   const size_t n = size_t(rows) * cols, off = offset ? 1 : 0;
   std::vector<double> src(n), f(per_row ? rows : 1);
-  for (auto& v : src) v = round_to(d, unit() * 2 - 1);
-  for (size_t i = 0; i < f.size(); ++i) f[i] = (i % 2 == 0) ? 1.0 : round_to(acc, unit() * 3 - 1);
+  for (auto& v : src) v = round_to(d, rng.unit() * 2 - 1);
+  for (size_t i = 0; i < f.size(); ++i)
+    f[i] = (i % 2 == 0) ? 1.0 : round_to(acc, rng.unit() * 3 - 1);
   Mem S((n + 2) * es), D((n + 2) * es), F((f.size() + 1) * as);
   for (size_t i = 0; i < n; ++i) store(d, S.p + (off + i) * es, src[i]);
-  for (size_t i = 0; i < n + 2; ++i) store(d, D.p + i * es, NAN);
+  poison(d, D.p, n + 2);
   for (size_t i = 0; i < f.size(); ++i) store(acc, F.p + i * as, f[i]);
   unsigned char* s = S.p + off * es;
   unsigned char* dst = in_place ? s : D.p + off * es;
@@ -298,7 +205,7 @@ void scale_case(DT d, long rows, long cols, bool per_row, bool in_place, bool of
   const bool vec = !offset && n % pack == 0 && (!per_row || cols % pack == 0);
   graft_ce::CeScaleParams p{s, dst, F.p, (long long)n, per_row ? cols : (long long)n,
                             per_row ? 1 : 0, vec ? 1 : 0};
-  launch(std::string("graft_ce_scale_") + dt_name(d), 3, 64, p);
+  launch(std::string("graft_ce_scale_") + dt_name(d), 3, 64, 0, p);
   std::vector<double> out(n), ref(n);
   for (size_t i = 0; i < n; ++i) {
     out[i] = load(d, dst + i * es);
@@ -324,7 +231,7 @@ void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean,
                           (row_scale ? " rowscale" : "") + (masked ? " masked" : "") +
                           " block " + std::to_string(threads) + " grid " + std::to_string(grid);
   std::vector<double> x(size_t(rows) * cols);
-  for (auto& v : x) v = round_to(d, (unit() * 2 - 1) * 6);
+  for (auto& v : x) v = round_to(d, (rng.unit() * 2 - 1) * 6);
   if (masked && cols > block) {
     // Row 0's first block all -inf (it adds nothing); with three rows or more, a NaN in row 2's
     // first block, which is otherwise -inf (that row's loss is NaN).
@@ -336,11 +243,11 @@ void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean,
   }
   std::vector<long long> target(rows);
   for (long r = 0; r < rows; ++r) {
-    target[r] = (r % 3 == 1) ? kIgnore : (long long)(unit() * cols);
+    target[r] = (r % 3 == 1) ? kIgnore : (long long)(rng.unit() * cols);
     if (masked && r == 0 && cols > block) target[r] = cols - 1;
   }
   std::vector<double> rs(rows);
-  for (auto& v : rs) v = round_to(acc, 0.5 + unit());
+  for (auto& v : rs) v = round_to(acc, 0.5 + rng.unit());
   long valid = 0;
   for (auto t : target) valid += t != kIgnore;
   const double all = mean ? 1.0 / double(valid) : 1.0;
@@ -364,16 +271,11 @@ void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean,
   Mem T((rows + 1) * 8), MX((rows + 1) * as), SM((rows + 1) * as), TL((rows + 1) * as);
   Mem L((rows + 1) * as), RS((rows + 1) * as), CNT(16);
   std::memcpy(T.p, target.data(), rows * 8);
-  for (long r = 0; r < rows; ++r) {
-    store(acc, MX.p + r * as, NAN);
-    store(acc, SM.p + r * as, NAN);
-    store(acc, TL.p + r * as, NAN);
-    store(acc, L.p + r * as, NAN);
-    store(acc, RS.p + r * as, rs[r]);
-  }
+  for (Mem* m : {&MX, &SM, &TL, &L}) poison(acc, m->p, rows);
+  for (long r = 0; r < rows; ++r) store(acc, RS.p + r * as, rs[r]);
   graft_ce::CeCountParams cp{reinterpret_cast<const long long*>(T.p),
                              reinterpret_cast<double*>(CNT.p), rows, cols, kIgnore};
-  launch("graft_ce_count", 1, 1024, cp);
+  launch("graft_ce_count", 1, 1024, 0, cp);
   // Each block's logits in their own buffer (kept for the gradient pass).
   std::vector<std::unique_ptr<Mem>> bufs;
   for (long b0 = 0; b0 < cols; b0 += block) {
@@ -395,7 +297,7 @@ void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean,
     p.first_col = b0;
     p.ignore_index = kIgnore;
     p.first = b0 == 0;
-    launch(std::string("graft_ce_block_stats_") + dt_name(d), grid, threads, p);
+    launch(std::string("graft_ce_block_stats_") + dt_name(d), grid, threads, 0, p);
   }
   std::vector<double> lout(rows);
   for (long r = 0; r < rows; ++r) lout[r] = load(acc, L.p + r * as);
@@ -417,7 +319,7 @@ void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean,
     p.cols = len;
     p.first_col = b0;
     p.ignore_index = kIgnore;
-    launch(std::string("graft_ce_block_grad_") + dt_name(d), grid, threads, p);
+    launch(std::string("graft_ce_block_grad_") + dt_name(d), grid, threads, 0, p);
     for (long r = 0; r < rows; ++r) {
       for (long j = 0; j < len; ++j) gout[r * cols + b0 + j] = load(d, at + (r * len + j) * es);
     }
@@ -427,8 +329,8 @@ void blocks_case(DT d, long rows, long cols, long block, bool offset, bool mean,
 
 void accumulate_case(long n, bool offset) {
   std::vector<double> a(n), b(n);
-  for (auto& v : a) v = round_to(DT::F32, unit() * 2 - 1);
-  for (auto& v : b) v = round_to(DT::F32, unit() * 2 - 1);
+  for (auto& v : a) v = round_to(DT::F32, rng.unit() * 2 - 1);
+  for (auto& v : b) v = round_to(DT::F32, rng.unit() * 2 - 1);
   const size_t off = offset ? 1 : 0;
   Mem A((n + 2) * 4), B((n + 2) * 4);
   for (long i = 0; i < n; ++i) {
@@ -438,7 +340,7 @@ void accumulate_case(long n, bool offset) {
   float* acc = reinterpret_cast<float*>(A.p) + off;
   const bool vec = !offset && n % 4 == 0;
   graft_ce::CeAccumulateParams p{acc, reinterpret_cast<const float*>(B.p), n, vec ? 1 : 0};
-  launch("graft_ce_accumulate_f32", 3, 64, p);
+  launch("graft_ce_accumulate_f32", 3, 64, 0, p);
   std::vector<double> out(n), ref(n);
   for (long i = 0; i < n; ++i) {
     out[i] = acc[i];
@@ -450,7 +352,7 @@ void accumulate_case(long n, bool offset) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  const bool quick = emu_common::quick(argc, argv);
   const DT dtypes[] = {DT::F32, DT::BF16, DT::F16, DT::F64};
   const std::pair<long, long> shapes[] = {{1, 1}, {4, 7}, {5, 33}, {4, 1000}, {3, 4099}, {7, 130}};
   for (DT d : dtypes) {
@@ -509,14 +411,13 @@ int main(int argc, char** argv) {
     Mem CNT(16), OUT(16), T(16), L(16);
     graft_ce::CeCountParams cp{reinterpret_cast<const long long*>(T.p),
                                reinterpret_cast<double*>(CNT.p), 0, 10, kIgnore};
-    launch("graft_ce_count", 1, 1024, cp);
+    launch("graft_ce_count", 1, 1024, 0, cp);
     graft_ce::CeReduceParams rp{L.p, reinterpret_cast<const double*>(CNT.p), OUT.p, 0};
-    launch("graft_ce_reduce_f32", 1, 1024, rp);
+    launch("graft_ce_reduce_f32", 1, 1024, 0, rp);
     check("empty mean", {load(DT::F32, OUT.p)}, {NAN}, 0, 0);
     rp.count = nullptr;
-    launch("graft_ce_reduce_f32", 1, 1024, rp);
+    launch("graft_ce_reduce_f32", 1, 1024, 0, rp);
     check("empty sum", {load(DT::F32, OUT.p)}, {0.0}, 0, 0);
   }
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

@@ -6,105 +6,28 @@
 // accumulation type from the kernel's own rstd. Outputs are poisoned with NaN first.
 // Build and run with emu/run.sh. Exit status 1 on any mismatch.
 
-#include <dlfcn.h>
-
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "cuda_emu.h"
 #include "../src/ops/rms_norm/rms_norm.cu"
+#include "emu_common.h"
 
 namespace {
 
-enum class DT { F32, F16, BF16, F64 };
-const char* dt_name(DT d) {
-  switch (d) {
-    case DT::F32: return "f32";
-    case DT::F16: return "f16";
-    case DT::BF16: return "bf16";
-    default: return "f64";
-  }
-}
-size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
-DT acc_of(DT d) { return d == DT::F64 ? DT::F64 : DT::F32; }
+using namespace emu_common;
+
 enum class WK { None, Same, Acc };
 const char* wk_name(WK w) { return w == WK::None ? "none" : w == WK::Same ? "same" : "acc"; }
 
-// "Device" memory: 64-byte aligned host bytes.
-struct Mem {
-  unsigned char* p = nullptr;
-  size_t n = 0;
-  explicit Mem(size_t bytes) : n(bytes) {
-    p = static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64));
-  }
-  ~Mem() { std::free(p); }
-  Mem(const Mem&) = delete;
-  Mem& operator=(const Mem&) = delete;
-};
-
-void store(DT d, unsigned char* at, double v) {
-  switch (d) {
-    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DT::F64: std::memcpy(at, &v, 8); break;
-    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-    case DT::BF16: {
-      // double -> float -> bf16 can round twice; inputs are generated exactly representable.
-      __nv_bfloat16 h = __float2bfloat16_rn(float(v));
-      std::memcpy(at, &h.bits, 2);
-      break;
-    }
-  }
-}
-double load(DT d, const unsigned char* at) {
-  switch (d) {
-    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
-    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
-    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
-  }
-}
-double round_to(DT d, double v) {
-  unsigned char b[8];
-  store(d, b, v);
-  return load(d, b);
-}
-void fill_nan(DT d, unsigned char* at, size_t n) {
-  for (size_t i = 0; i < n; ++i) store(d, at + i * dt_size(d), std::nan(""));
-}
-
-unsigned long long rng_state = 0x1234567;
-double unit() {
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return double(rng_state >> 11) / double(1ull << 53);
-}
+Lcg rng{0x1234567};
 double signed_value() {
-  const double m = 0.25 + 1.75 * unit();
-  return unit() < 0.5 ? m : -m;
+  const double m = 0.25 + 1.75 * rng.unit();
+  return rng.unit() < 0.5 ? m : -m;
 }
 
-// ||out - ref|| / max(||ref||, scale). `scale` is the size the output has when its terms
-// do not cancel (dx: ||rstd * g||; dw: the typical size of a sum of random-sign terms):
-// where they cancel (cols == 1: dx ~ eps; a dw column summing to nearly 0) the relative
-// error grows in any precision and is measured against that size instead.
-double rel_err(const std::vector<double>& out, const std::vector<double>& ref, double scale = 0) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  den = std::max(std::sqrt(den), scale);
-  return den == 0 ? std::sqrt(num) : std::sqrt(num) / den;
-}
-double tol(DT d) {
-  switch (d) {
-    case DT::F64: return 1e-12;
-    case DT::F32: return 1e-6;
-    case DT::F16: return 2e-3;
-    default: return 1e-2;
-  }
-}
+// RMSNorm's float32 outputs are held to 1e-6 (emu_common's tol: 2e-6).
+double rms_tol(DT d) { return d == DT::F32 ? 1e-6 : tol(d); }
 
 // The weight mode (graft::FwdParams offset / round_first): scale by (offset + w), and round
 // xhat to the dtype before the weight multiply.
@@ -138,34 +61,13 @@ double forward_exact(DT d, double x, double r, bool has_w, double w, const Mode&
   return round_to(d, v);
 }
 
-int failures = 0, checks = 0, launches = 0;
-
+// ||out - ref|| / max(||ref||, scale) <= rms_tol(d). `scale` is the size the output has when
+// its terms do not cancel (dx: ||rstd * g||; dw: the typical size of a sum of random-sign
+// terms): where they cancel (cols == 1: dx ~ eps; a dw column summing to nearly 0) the
+// relative error grows in any precision and is measured against that size instead.
 void check(const std::string& what, DT d, const std::vector<double>& out,
            const std::vector<double>& ref, double scale = 0) {
-  ++checks;
-  const double e = rel_err(out, ref, scale);
-  if (!(e <= tol(d))) {
-    ++failures;
-    std::printf("FAIL %s: rel err %.3e > %.0e\n", what.c_str(), e, tol(d));
-  }
-}
-
-void* kernel(const std::string& name) {
-  void* f = dlsym(RTLD_DEFAULT, name.c_str());
-  if (!f) {
-    std::printf("FAIL missing kernel %s\n", name.c_str());
-    std::exit(1);
-  }
-  return f;
-}
-
-unsigned group_threads(unsigned long need) {
-  if (need <= 32) {
-    unsigned t = 1;
-    while (t < need) t *= 2;
-    return t;
-  }
-  return unsigned((need + 31) / 32 * 32);
+  check_close(what, out, ref, {.tol = rms_tol(d), .scale = scale});
 }
 
 struct Config {
@@ -225,19 +127,6 @@ std::vector<Config> configs(bool fwd, DT d, WK w, long rows, long cols, bool vec
   return out;
 }
 
-void check_exact(const std::string& what, const std::vector<double>& out,
-                 const std::vector<double>& ref) {
-  ++checks;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!(out[i] == ref[i])) {
-      ++failures;
-      std::printf("FAIL %s: element %zu is %.9g, replayed %.9g\n", what.c_str(), i, out[i],
-                  ref[i]);
-      return;
-    }
-  }
-}
-
 void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
   const DT acc = acc_of(d);
   const bool has_w = w != WK::None;
@@ -251,7 +140,7 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
   for (auto& v : x) v = round_to(d, signed_value());
   for (auto& v : dy) v = round_to(d, signed_value());
   if (has_w)
-    for (auto& v : wv) v = round_to(wd, 0.5 + unit());
+    for (auto& v : wv) v = round_to(wd, 0.5 + rng.unit());
 
   Mem X((n + 1) * es), Y((n + 1) * es), DY((n + 1) * es), DX((n + 1) * es);
   Mem W((cols + 1) * 8), DW((cols + 1) * 8), R((rows + 1) * 8);
@@ -302,8 +191,8 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
 
   // Forward, every config.
   for (const Config& c : configs(true, d, w, rows, cols, vec)) {
-    fill_nan(d, Y.p + off * es, n);
-    fill_nan(acc, R.p + off * as, rows);
+    poison(d, Y.p + off * es, n);
+    poison(acc, R.p + off * as, rows);
     graft::FwdParams p{};
     p.x = X.p + off * es;
     p.w = has_w ? W.p + off * ws : nullptr;
@@ -318,9 +207,7 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
     p.inv_cols = 1.0 / cols;
     p.offset = kernel_offset(mode);
     p.round_first = mode.round_first;
-    graft_emu::launch(reinterpret_cast<void (*)(graft::FwdParams)>(kernel(c.name)), c.grid,
-                      c.block, c.smem, p);
-    ++launches;
+    launch(c.name, c.grid, c.block, c.smem, p);
     std::vector<double> y(n), r(rows);
     for (size_t i = 0; i < n; ++i) y[i] = load(d, Y.p + (off + i) * es);
     for (long i = 0; i < rows; ++i) r[i] = load(acc, R.p + (off + i) * as);
@@ -343,10 +230,10 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
     if (first && has_w) modes.insert(modes.end(), {{true, false}, {false, true}});
     first = false;
     for (auto [want_dx, want_dw] : modes) {
-      fill_nan(d, DX.p + off * es, n);
-      fill_nan(wd, DW.p + off * ws, cols);
+      poison(d, DX.p + off * es, n);
+      poison(wd, DW.p + off * ws, cols);
       Mem part(size_t(c.grid) * cols * as + 16);
-      fill_nan(acc, part.p, size_t(c.grid) * cols);
+      poison(acc, part.p, size_t(c.grid) * cols);
       graft::BwdParams p{};
       p.dy = DY.p + off * es;
       p.x = X.p + off * es;
@@ -365,9 +252,7 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
       p.inv_cols = 1.0 / cols;
       p.offset = kernel_offset(mode);
       p.round_first = mode.round_first;
-      graft_emu::launch(reinterpret_cast<void (*)(graft::BwdParams)>(kernel(c.name)), c.grid,
-                        c.block, c.smem, p);
-      ++launches;
+      launch(c.name, c.grid, c.block, c.smem, p);
       if (want_dw) {
         graft::FinalizeParams f{};
         f.partial = part.p;
@@ -376,9 +261,7 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
         f.cols = cols;
         const std::string fin = std::string("graft_rms_dw_finalize_") + dt_name(acc) + "_" +
                                 dt_name(wd);
-        graft_emu::launch(reinterpret_cast<void (*)(graft::FinalizeParams)>(kernel(fin)),
-                          unsigned((cols + 31) / 32), 256, 0, f);
-        ++launches;
+        launch(fin, unsigned((cols + 31) / 32), 256, 0, f);
       }
       const std::string tag = std::string(label) + " " + c.name + (want_dx ? " dx" : "") +
                               (want_dw ? " dw" : "");
@@ -401,8 +284,8 @@ void run_case(DT d, WK w, long rows, long cols, bool offset, Mode mode = {}) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
-  const DT dts[] = {DT::F32, DT::F16, DT::BF16, DT::F64};
+  const bool quick = emu_common::quick(argc, argv);
+  const auto& dts = kDtypes;
   const WK wks[] = {WK::None, WK::Same, WK::Acc};
   std::vector<long> cols_list = {1, 7, 64, 100, 1000, 4096, 4097};
   std::vector<long> rows_list = {1, 5};
@@ -428,6 +311,5 @@ int main(int argc, char** argv) {
   run_case(DT::BF16, WK::Same, 2, 70001, false, {1.0, true});
   run_case(DT::BF16, WK::Acc, 2, 70001, true, {1.0, false});
   run_case(DT::F16, WK::Same, 1, 4096, false, {0.0, true});
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures ? 1 : 0;
+  return report();
 }

@@ -6,12 +6,8 @@
 // both directions and both unit sizes. Outputs are poisoned with NaN first.
 // Build and run with emu/run_glu_rope.sh. Exit status 1 on any mismatch.
 
-#include <dlfcn.h>
-
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -31,118 +27,18 @@ inline double normcdf(double x) { return 0.5 * std::erfc(-x * 0.7071067811865476
 
 #include "../src/ops/glu/glu.cu"
 #include "../src/ops/rope/rope.cu"
+#include "emu_common.h"
 
 namespace {
 
-enum class DT { F32, F16, BF16, F64 };
-const DT kDtypes[] = {DT::F32, DT::F16, DT::BF16, DT::F64};
-const char* dt_name(DT d) {
-  switch (d) {
-    case DT::F32: return "f32";
-    case DT::F16: return "f16";
-    case DT::BF16: return "bf16";
-    default: return "f64";
-  }
-}
-size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
-double tol(DT d) {
-  switch (d) {
-    case DT::F64: return 1e-12;
-    case DT::F32: return 2e-6;
-    case DT::F16: return 2e-3;
-    default: return 1e-2;
-  }
-}
+using namespace emu_common;
 
-// "Device" memory: 64-byte aligned host bytes.
-struct Mem {
-  unsigned char* p = nullptr;
-  explicit Mem(size_t bytes) {
-    p = static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64));
-  }
-  ~Mem() { std::free(p); }
-  Mem(const Mem&) = delete;
-  Mem& operator=(const Mem&) = delete;
-};
+Lcg rng{0x2545F4914F6CDD1Dull};
 
-void store(DT d, unsigned char* at, double v) {
-  switch (d) {
-    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DT::F64: std::memcpy(at, &v, 8); break;
-    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-    case DT::BF16: { __nv_bfloat16 h = __float2bfloat16_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-  }
-}
-double load(DT d, const unsigned char* at) {
-  switch (d) {
-    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
-    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
-    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
-  }
-}
-
-unsigned long long rng_state = 0x2545F4914F6CDD1Dull;
-double unit() {
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return double(rng_state >> 11) / double(1ull << 53);
-}
-double normalish(double scale) { return (unit() + unit() + unit() - 1.5) * 2 * scale; }
-
-// Fills n elements of dtype d with random values; returns them (exactly as stored).
-std::vector<double> fill(DT d, unsigned char* at, size_t n, double scale) {
-  std::vector<double> v(n);
-  for (size_t i = 0; i < n; ++i) {
-    store(d, at + i * dt_size(d), normalish(scale));
-    v[i] = load(d, at + i * dt_size(d));
-  }
-  return v;
-}
-void poison(DT d, unsigned char* at, size_t n) {
-  for (size_t i = 0; i < n; ++i) store(d, at + i * dt_size(d), std::nan(""));
-}
-std::vector<double> read(DT d, const unsigned char* at, size_t n) {
-  std::vector<double> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = load(d, at + i * dt_size(d));
-  return v;
-}
-
-int failures = 0, checks = 0, launches = 0;
-
+// ||out - ref|| / ||ref|| <= slack * tol(d) (||out - ref|| where ref is all zeros), out finite.
 void check(const std::string& what, DT d, const std::vector<double>& out,
            const std::vector<double>& ref, double slack = 1) {
-  ++checks;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) {
-      ++failures;
-      std::printf("FAIL %s: element %zu is %g\n", what.c_str(), i, out[i]);
-      return;
-    }
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  const double e = den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-  if (!(e <= slack * tol(d))) {
-    ++failures;
-    std::printf("FAIL %s: rel err %.3e > %.1e\n", what.c_str(), e, slack * tol(d));
-  }
-}
-
-void* kernel(const std::string& name) {
-  void* f = dlsym(RTLD_DEFAULT, name.c_str());
-  if (!f) {
-    std::printf("FAIL missing kernel %s\n", name.c_str());
-    std::exit(1);
-  }
-  return f;
-}
-
-template <typename P>
-void launch(const std::string& name, unsigned grid, unsigned block, const P& p) {
-  auto* f = reinterpret_cast<void (*)(P)>(kernel(name));
-  graft_emu::launch(f, grid, block, 0, p);
-  ++launches;
+  check_close(what, out, ref, {.tol = slack * tol(d)});
 }
 
 // ------------------------------------------------------------------------------------ GLU
@@ -170,7 +66,8 @@ void act_ref(int act, double x, double& f, double& df) {
 void glu_case(int act, DT d, size_t n, bool vec, bool in_place) {
   const size_t es = dt_size(d);
   Mem g(n * es), u(n * es), dy(n * es), y(n * es), dg(n * es), du(n * es);
-  const auto gv = fill(d, g.p, n, 3), uv = fill(d, u.p, n, 1), dv = fill(d, dy.p, n, 1);
+  const auto gv = fill(rng, d, g.p, n, 3), uv = fill(rng, d, u.p, n, 1),
+             dv = fill(rng, d, dy.p, n, 1);
   std::vector<double> y_ref(n), dg_ref(n), du_ref(n);
   for (size_t i = 0; i < n; ++i) {
     double f, df;
@@ -186,7 +83,7 @@ void glu_case(int act, DT d, size_t n, bool vec, bool in_place) {
   const unsigned grid = unsigned(std::min<long long>(3, (work + 63) / 64 + 0));
   graft_glu::GluParams p{g.p, u.p, nullptr, y.p, nullptr, (long long)n, vec ? 1 : 0};
   poison(d, y.p, n);
-  launch("graft_glu_fwd_" + tag, std::max(grid, 1u), 64, p);
+  launch("graft_glu_fwd_" + tag, std::max(grid, 1u), 64, 0, p);
   check("glu fwd " + what, d, read(d, y.p, n), y_ref);
   // Backward, into fresh buffers or over gate and up themselves.
   unsigned char* out0 = in_place ? g.p : dg.p;
@@ -196,7 +93,7 @@ void glu_case(int act, DT d, size_t n, bool vec, bool in_place) {
     poison(d, du.p, n);
   }
   graft_glu::GluParams b{g.p, u.p, dy.p, out0, out1, (long long)n, vec ? 1 : 0};
-  launch("graft_glu_bwd_" + tag, std::max(grid, 1u), 64, b);
+  launch("graft_glu_bwd_" + tag, std::max(grid, 1u), 64, 0, b);
   check("glu bwd dgate " + what, d, read(d, out0, n), dg_ref, 2);
   check("glu bwd dup " + what, d, read(d, out1, n), du_ref);
 }
@@ -206,7 +103,7 @@ void glu_case(int act, DT d, size_t n, bool vec, bool in_place) {
 void glu_packed_case(DT d, size_t rows, size_t cols, bool vec, bool in_place) {
   const size_t es = dt_size(d), n = rows * cols;
   Mem gu(2 * n * es), dy(n * es), y(n * es), dgu(2 * n * es);
-  const auto gv = fill(d, gu.p, 2 * n, 3), dv = fill(d, dy.p, n, 1);
+  const auto gv = fill(rng, d, gu.p, 2 * n, 3), dv = fill(rng, d, dy.p, n, 1);
   std::vector<double> y_ref(n), dgu_ref(2 * n);
   for (size_t r = 0; r < rows; ++r) {
     for (size_t j = 0; j < cols; ++j) {
@@ -226,12 +123,12 @@ void glu_packed_case(DT d, size_t rows, size_t cols, bool vec, bool in_place) {
   const unsigned grid = unsigned(std::min<long long>(3, (work + 63) / 64));
   graft_glu::GluPackedParams p{gu.p, nullptr, y.p, (long long)rows, (long long)cols, vec ? 1 : 0};
   poison(d, y.p, n);
-  launch("graft_glu_packed_fwd_" + tag, std::max(grid, 1u), 64, p);
+  launch("graft_glu_packed_fwd_" + tag, std::max(grid, 1u), 64, 0, p);
   check("glu packed fwd " + what, d, read(d, y.p, n), y_ref);
   unsigned char* out = in_place ? gu.p : dgu.p;
   if (!in_place) poison(d, dgu.p, 2 * n);
   graft_glu::GluPackedParams b{gu.p, dy.p, out, (long long)rows, (long long)cols, vec ? 1 : 0};
-  launch("graft_glu_packed_bwd_" + tag, std::max(grid, 1u), 64, b);
+  launch("graft_glu_packed_bwd_" + tag, std::max(grid, 1u), 64, 0, b);
   // dgate and dup interleaved by rows: dgate's slack (two roundings) bounds the pair's.
   check("glu packed bwd " + what, d, read(d, out, 2 * n), dgu_ref, 2);
 }
@@ -295,10 +192,10 @@ void rope_case(const RopeCase& c, DT d, bool bwd, bool vec) {
   Mem q(c.b * c.s * c.hq * row * es), k(c.b * c.s * c.hk * row * es);
   Mem qo(c.b * c.s * c.hq * c.d * es), ko(c.b * c.s * c.hk * c.d * es);
   Mem cs(c.b * c.s * c.r * es), sn(c.b * c.s * c.r * es);
-  const auto qv = fill(d, q.p, c.b * c.s * c.hq * row, 1);
-  const auto kv = fill(d, k.p, c.b * c.s * c.hk * row, 1);
-  const auto cv = fill(d, cs.p, c.b * c.s * c.r, 1);
-  const auto sv = fill(d, sn.p, c.b * c.s * c.r, 1);
+  const auto qv = fill(rng, d, q.p, c.b * c.s * c.hq * row, 1);
+  const auto kv = fill(rng, d, k.p, c.b * c.s * c.hk * row, 1);
+  const auto cv = fill(rng, d, cs.p, c.b * c.s * c.r, 1);
+  const auto sv = fill(rng, d, sn.p, c.b * c.s * c.r, 1);
   poison(d, qo.p, c.b * c.s * c.hq * c.d);
   poison(d, ko.p, c.b * c.s * c.hk * c.d);
   const long pack = vec ? long(16 / es) : 1;
@@ -324,7 +221,7 @@ void rope_case(const RopeCase& c, DT d, bool bwd, bool vec) {
   const long long units = p.op[0].units + p.op[1].units;
   const std::string name = std::string("graft_rope_") + (bwd ? "bwd" : "fwd") + "_" +
                            (vec ? "vec" : "one") + "_" + dt_name(d);
-  launch(name, unsigned(std::min<long long>(3, (units + 63) / 64)), 64, p);
+  launch(name, unsigned(std::min<long long>(3, (units + 63) / 64)), 64, 0, p);
   // References, row by row in the output's order.
   for (int which = 0; which < 2; ++which) {
     const long heads = which == 0 ? c.hq : c.hk;
@@ -368,6 +265,5 @@ int main() {
   glu_all();
   glu_packed_all();
   rope_all();
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

@@ -5,107 +5,31 @@
 // finalize kernel. Outputs are poisoned with NaN first; results are compared with a float64
 // reference. Build and run with emu/run_layer_norm.sh. Exit status 1 on any mismatch.
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "cuda_emu.h"
 using std::sqrt;
 #include "../src/ops/layer_norm/layer_norm.cu"
+#include "emu_common.h"
 
 namespace {
 
 using graft_layer_norm::FinalizeParams;
 using graft_layer_norm::Params;
 
-enum class DT { F32, F64, F16, BF16 };
-size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
-DT acc_of(DT d) { return d == DT::F64 ? DT::F64 : DT::F32; }
-const char* tag(DT d) {
-  return d == DT::F32 ? "f32" : d == DT::F64 ? "f64" : d == DT::F16 ? "f16" : "bf16";
-}
+using namespace emu_common;
 
-void store(DT d, unsigned char* at, double v) {
-  switch (d) {
-    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DT::F64: std::memcpy(at, &v, 8); break;
-    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-    case DT::BF16: { __nv_bfloat16 h = __float2bfloat16_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-  }
-}
-double load(DT d, const unsigned char* at) {
-  switch (d) {
-    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
-    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
-    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
-  }
-}
-double tol(DT d) { return d == DT::F64 ? 1e-12 : d == DT::F32 ? 2e-6 : d == DT::F16 ? 2e-3 : 1e-2; }
+Lcg rng{0x1a7e5};
 
-struct Buf {
-  DT d;
-  size_t n, offset;
-  std::vector<unsigned char> raw;
-  Buf(DT d_, size_t n_, size_t off = 0) : d(d_), n(n_), offset(off), raw((n_ + off) * 8 + 128) {}
-  unsigned char* base() {
-    auto p = reinterpret_cast<uintptr_t>(raw.data());
-    return reinterpret_cast<unsigned char*>((p + 63) / 64 * 64) + offset * dt_size(d);
-  }
-  void set(size_t i, double v) { store(d, base() + i * dt_size(d), v); }
-  double get(size_t i) { return load(d, base() + i * dt_size(d)); }
-  void poison() { for (size_t i = 0; i < n; ++i) set(i, NAN); }
-};
-
-unsigned long long rng_state = 0x1a7e5;
-double unit() {
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return double(rng_state >> 11) / double(1ull << 53);
-}
-
-template <typename P>
-void launch(const std::string& name, unsigned grid, unsigned block, size_t smem, const P& p) {
-  void* f = dlsym(RTLD_DEFAULT, name.c_str());
-  if (!f) {
-    std::printf("FAIL missing kernel %s\n", name.c_str());
-    std::exit(1);
-  }
-  graft_emu::launch(reinterpret_cast<void (*)(P)>(f), grid, block, smem, p);
-}
-
-int failures = 0, checks = 0, launches = 0;
-
-// ||got - ref|| / max(||ref||, scale) <= tol, NaN nowhere.
+// ||got - ref|| / max(||ref||, scale) <= t, NaN nowhere. (A width of 1 makes y = b and
+// dx, dw = 0 exactly: an all-zero reference needs exact zeros.)
 void compare(const char* what, const std::string& ctx, Buf& got, const std::vector<double>& ref,
              double t, double scale = 0) {
-  ++checks;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double g = got.get(i);
-    if (!std::isfinite(g)) {
-      if (++failures <= 30) std::printf("FAIL %s %s: [%zu] = %g\n", what, ctx.c_str(), i, g);
-      return;
-    }
-    num += (g - ref[i]) * (g - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  // (A width of 1 makes y = b and dx, dw = 0 exactly: an all-zero reference needs exact zeros.)
-  const double e = num == 0 ? 0 : std::sqrt(num) / std::max(std::sqrt(den), scale);
-  if (!(e <= t) && ++failures <= 30)
-    std::printf("FAIL %s %s: rel err %.3e > %.1e\n", what, ctx.c_str(), e, t);
-}
-
-unsigned group_threads(long need) {
-  if (need <= 32) {
-    unsigned t = 1;
-    while (long(t) < need) t *= 2;
-    return t;
-  }
-  return unsigned((need + 31) / 32 * 32);
+  check_close(std::string(what) + " " + ctx, got.read(), ref,
+              {.tol = t, .scale = scale, .zero_exact = true});
 }
 
 template <bool BWD>
@@ -144,12 +68,12 @@ void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bo
   Buf x(d, n), y(d, n), w(d, size_t(cols)), b(d, size_t(cols)), mean(a, size_t(rows)), rstd(a, size_t(rows));
   std::vector<double> xv(n), wv(size_t(cols), 1.0), bv(size_t(cols), 0.0);
   for (size_t i = 0; i < n; ++i) {
-    x.set(i, 2.0 + (unit() * 2 - 1) * 3);
+    x.set(i, 2.0 + (rng.unit() * 2 - 1) * 3);
     xv[i] = x.get(i);
   }
   for (long c = 0; c < cols; ++c) {
-    if (w_on) { w.set(size_t(c), 1.0 + (unit() - 0.5)); wv[size_t(c)] = w.get(size_t(c)); }
-    if (b_on) { b.set(size_t(c), unit() - 0.5); bv[size_t(c)] = b.get(size_t(c)); }
+    if (w_on) { w.set(size_t(c), 1.0 + (rng.unit() - 0.5)); wv[size_t(c)] = w.get(size_t(c)); }
+    if (b_on) { b.set(size_t(c), rng.unit() - 0.5); bv[size_t(c)] = b.get(size_t(c)); }
   }
   y.poison();
   mean.poison();
@@ -169,7 +93,6 @@ void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bo
   p.eps = 1e-5;
   p.inv_cols = 1.0 / double(cols);
   launch(fl.name, fl.grid, fl.block, fl.smem, p);
-  ++launches;
   std::vector<double> yr(n), mr(static_cast<size_t>(rows)), rr(static_cast<size_t>(rows));
   for (long r = 0; r < rows; ++r) {
     double m = 0, v = 0;
@@ -190,7 +113,7 @@ void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bo
   Buf dy(d, n), dx(d, n), dw(d, size_t(cols)), db(d, size_t(cols));
   std::vector<double> gv(n), ms(static_cast<size_t>(rows)), rs(static_cast<size_t>(rows));
   for (size_t i = 0; i < n; ++i) {
-    dy.set(i, unit() * 2 - 1);
+    dy.set(i, rng.unit() * 2 - 1);
     gv[i] = dy.get(i);
   }
   for (long r = 0; r < rows; ++r) {
@@ -220,11 +143,10 @@ void run_case(DT d, long rows, long cols, const Launch& fl, const Launch& bl, bo
   q.stage = bl.stage;
   q.inv_cols = 1.0 / double(cols);
   launch(bl.name, bl.grid, bl.block, bl.smem, q);
-  ++launches;
   if (want_sums) {
     FinalizeParams f{partial.base(), dw.base(), db.base(), (long long)part_rows, cols};
-    launch(std::string("graft_ln_finalize_") + tag(d), unsigned((cols + 31) / 32), 256, 0, f);
-    ++launches;
+    const std::string fin = std::string("graft_ln_finalize_") + dt_name(d);
+    launch(fin, unsigned((cols + 31) / 32), 256, 0, f);
   }
   std::vector<double> dxr(n), dwr(size_t(cols), 0.0), dbr(size_t(cols), 0.0);
   double scale = 0;
@@ -278,7 +200,8 @@ void cases(DT d) {
         unsigned rpb = per_warp * (tpr <= 64 ? 2 : 1);
         while (rpb > per_warp && tpr * rpb > unsigned(std::min(fmax, bmax))) rpb -= per_warp;
         const long rows = 3 * rpb + 1;
-        const std::string vs = std::string(vec ? "v" : "s") + std::to_string(v) + "_" + tag(d);
+        const std::string vs =
+            std::string(vec ? "v" : "s") + std::to_string(v) + "_" + dt_name(d);
         const size_t acc = dt_size(acc_of(d));
         const size_t smem = size_t(rpb - 1) * size_t(v) * size_t(N) * tpr * 2 * acc;
         Launch fl{std::string("graft_ln_fwd_rows_") + vs, 2, tpr * rpb, long(tpr), long(rpb), vec, 0, false};
@@ -298,8 +221,10 @@ void cases(DT d) {
     for (bool vec : {true, false}) {
       if (vec && cols % N != 0) continue;
       for (unsigned block : {64u, 256u}) {
-        Launch fl{std::string("graft_ln_fwd_loop_") + tag(d), 2, block, block, 1, vec, 0, false};
-        Launch bl{std::string("graft_ln_bwd_loop_") + tag(d), 2, block, block, 1, vec, 0, false};
+        const std::string fwd = std::string("graft_ln_fwd_loop_") + dt_name(d);
+        const std::string bwd = std::string("graft_ln_bwd_loop_") + dt_name(d);
+        Launch fl{fwd, 2, block, block, 1, vec, 0, false};
+        Launch bl{bwd, 2, block, block, 1, vec, 0, false};
         for (int mask : {3, 1, 2}) run_case(d, 5, cols, fl, bl, mask != 2, mask != 1, mask);
       }
     }
@@ -310,9 +235,9 @@ void cases(DT d) {
   for (long cols : {8L, 64L, 1000L, 2048L, 5000L}) {
     for (unsigned block : {32u, 64u, 256u}) {
       const size_t smem = size_t(cols / N) * 16;
-      const std::string staged = std::string("graft_ln_fwd_staged_") + tag(d);
+      const std::string staged = std::string("graft_ln_fwd_staged_") + dt_name(d);
       Launch fl{staged, 2, block, block, 1, true, smem, false};
-      Launch bl{std::string("graft_ln_bwd_loop_") + tag(d), 2, block, block, 1, true, 0, false};
+      Launch bl{std::string("graft_ln_bwd_loop_") + dt_name(d), 2, block, block, 1, true, 0, false};
       for (int mask : {3, 1}) run_case(d, 5, cols, fl, bl, mask != 2, mask != 1, mask);
     }
   }
@@ -323,8 +248,8 @@ void cases(DT d) {
       if (cols / N > 2 * long(block)) continue;
       for (unsigned grid : {1u, 3u, 9u}) {
         const size_t smem = 4 * size_t(cols / N) * 16;
-        const std::string staged = std::string("graft_ln_fwd_staged_") + tag(d);
-        const std::string bulk = std::string("graft_ln_bwd_bulk1_") + tag(d);
+        const std::string staged = std::string("graft_ln_fwd_staged_") + dt_name(d);
+        const std::string bulk = std::string("graft_ln_bwd_bulk1_") + dt_name(d);
         Launch fl{staged, 2, block, block, 1, true, smem / 4, false};
         Launch bl{bulk, grid, block, block, 1, true, smem, false};
         for (int mask : {3, 1, 2}) run_case(d, 7, cols, fl, bl, mask != 2, mask != 1, mask);
@@ -337,6 +262,5 @@ void cases(DT d) {
 
 int main() {
   for (DT d : {DT::F32, DT::F64, DT::F16, DT::BF16}) cases(d);
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

@@ -7,10 +7,7 @@
 // and run with emu/run_softmax.sh.
 // Exit status 1 on any mismatch.
 
-#include <dlfcn.h>
-
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -18,70 +15,15 @@
 using std::exp;
 using std::log;
 #include "../src/ops/softmax/softmax.cu"
+#include "emu_common.h"
 
 namespace {
 
 using graft_softmax::Params;
-using Kernel = void (*)(Params);
 
-enum class DT { F32, F64, F16, BF16 };
-size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
+using namespace emu_common;
 
-void store(DT d, unsigned char* at, double v) {
-  switch (d) {
-    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DT::F64: std::memcpy(at, &v, 8); break;
-    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-    case DT::BF16: { __nv_bfloat16 h = __float2bfloat16_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-  }
-}
-double load(DT d, const unsigned char* at) {
-  switch (d) {
-    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
-    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
-    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
-  }
-}
-double tol(DT d) {
-  switch (d) {
-    case DT::F64: return 1e-12;
-    case DT::F32: return 2e-6;
-    case DT::F16: return 2e-3;
-    default: return 1e-2;
-  }
-}
-
-// "Device" memory: n elements of a dtype, `offset` elements into a 64-byte aligned buffer.
-struct Buf {
-  DT d;
-  size_t n, offset;
-  std::vector<unsigned char> raw;
-  Buf(DT d_, size_t n_, size_t offset_ = 0) : d(d_), n(n_), offset(offset_), raw((n_ + offset_) * 8 + 128) {}
-  unsigned char* base() {
-    auto p = reinterpret_cast<uintptr_t>(raw.data());
-    return reinterpret_cast<unsigned char*>((p + 63) / 64 * 64) + offset * dt_size(d);
-  }
-  void set(size_t i, double v) { store(d, base() + i * dt_size(d), v); }
-  double get(size_t i) { return load(d, base() + i * dt_size(d)); }
-};
-
-unsigned long long rng_state = 0x5eed;
-double unit() {
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return double(rng_state >> 11) / double(1ull << 53);
-}
-
-Kernel kernel(const std::string& name) {
-  void* f = dlsym(RTLD_DEFAULT, name.c_str());
-  if (!f) {
-    std::printf("FAIL missing kernel %s\n", name.c_str());
-    std::exit(1);
-  }
-  return reinterpret_cast<Kernel>(f);
-}
-
-int failures = 0, checks = 0, launches = 0;
+Lcg rng{0x5eed};
 
 struct Shape {
   long outer, dim, inner;
@@ -130,10 +72,9 @@ void compare(const std::string& what, DT d, Buf& out, const std::vector<double>&
         if (!terms.empty()) scale += terms[i] * terms[i];
         const bool special = std::isnan(r) || std::isinf(r) || r == 0;
         if (special ? !(std::isnan(r) ? std::isnan(g) : g == r) : !std::isfinite(g)) {
-          if (++failures <= 30)
-            std::printf("FAIL %s: [%ld,%ld,%ld] = %.9g, expected %.9g\n", what.c_str(), o, dd, j,
-                        g, r);
-          return;
+          char why[128];
+          std::snprintf(why, sizeof why, "[%ld,%ld,%ld] = %.9g, expected %.9g", o, dd, j, g, r);
+          return fail(what, why);
         }
         if (!special) {
           num += (g - r) * (g - r);
@@ -142,10 +83,9 @@ void compare(const std::string& what, DT d, Buf& out, const std::vector<double>&
       }
       const double e = std::sqrt(num) / std::max(std::sqrt(den), std::sqrt(scale));
       if (den > 0 && !(e <= tol(d))) {
-        if (++failures <= 30)
-          std::printf("FAIL %s: slice [%ld,:,%ld] rel err %.3e > %.0e\n", what.c_str(), o, j, e,
-                      tol(d));
-        return;
+        char why[128];
+        std::snprintf(why, sizeof why, "slice [%ld,:,%ld] rel err %.3e > %.0e", o, j, e, tol(d));
+        return fail(what, why);
       }
     }
 }
@@ -173,7 +113,7 @@ struct Launch {
 std::vector<double> random_input(Buf& b, double spread) {
   std::vector<double> v(b.n);
   for (size_t i = 0; i < b.n; ++i) {
-    b.set(i, (unit() * 2 - 1) * spread);
+    b.set(i, (rng.unit() * 2 - 1) * spread);
     v[i] = b.get(i);
   }
   return v;
@@ -212,28 +152,26 @@ void run_case(bool backward, const Pair& p, bool log_softmax, Shape s, const Lau
         xv[i] = x.get(i);
       }
     }
-    for (size_t i = 0; i < n; ++i) y.set(i, NAN);
+    y.poison();
     prm.in0 = x.base();
     prm.out = y.base();
-    graft_emu::launch(kernel(l.name), l.grid, l.block, l.smem, prm);
-    ++launches;
+    launch(l.name, l.grid, l.block, l.smem, prm);
     ref_forward(log_softmax, xv, s, ref);
     compare(what, p.out, y, ref, s, {});
   } else {
     Buf dy(p.in, n, offset), y(p.in, n, offset), dx(p.out, n, offset);
     std::vector<double> dyv = random_input(dy, 1), x(n), yv(n);
-    for (size_t i = 0; i < n; ++i) x[i] = (unit() * 2 - 1) * 4;
+    for (size_t i = 0; i < n; ++i) x[i] = (rng.unit() * 2 - 1) * 4;
     ref_forward(log_softmax, x, s, yv);
     for (size_t i = 0; i < n; ++i) {
       y.set(i, yv[i]);
       yv[i] = y.get(i);
-      dx.set(i, NAN);
     }
+    dx.poison();
     prm.in0 = dy.base();
     prm.in1 = y.base();
     prm.out = dx.base();
-    graft_emu::launch(kernel(l.name), l.grid, l.block, l.smem, prm);
-    ++launches;
+    launch(l.name, l.grid, l.block, l.smem, prm);
     ref_backward(log_softmax, dyv, yv, s, ref);
     // dx is a difference of two terms: dy and exp(y) * r (log-softmax), y * dy and y * r.
     std::vector<double> terms(n);
@@ -250,15 +188,6 @@ void run_case(bool backward, const Pair& p, bool log_softmax, Shape s, const Lau
       }
     compare(what, p.out, dx, ref, s, terms);
   }
-}
-
-unsigned group_threads(long need) {
-  if (need <= 32) {
-    unsigned t = 1;
-    while (long(t) < need) t *= 2;
-    return t;
-  }
-  return unsigned((need + 31) / 32 * 32);
 }
 
 // The rows kernels' launch bounds (ops/softmax/softmax.cu RowsBounds).
@@ -414,6 +343,5 @@ int main() {
     bulk_cases(true, p);
     cols_cases(true, p);
   }
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

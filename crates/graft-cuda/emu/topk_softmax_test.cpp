@@ -7,58 +7,34 @@
 // gradients be within the dtype's tolerance (special values exactly). Build and run with
 // emu/run_topk_softmax.sh; exit status 1 on any mismatch.
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "cuda_emu.h"
 #include "../src/ops/topk_softmax/topk_softmax.cu"
+#include "emu_common.h"
 
 namespace {
 
 using graft_topk::TopkParams;
-using Kernel = void (*)(TopkParams);
 
-enum class DT { F32, F64, F16, BF16 };
-struct Dtype {
-  const char* tag;
-  DT d;
-};
-const Dtype kDtypes[] = {{"f32", DT::F32}, {"f64", DT::F64}, {"f16", DT::F16}, {"bf16", DT::BF16}};
+using namespace emu_common;
 
-size_t dt_size(DT d) { return d == DT::F64 ? 8 : d == DT::F32 ? 4 : 2; }
-DT acc_of(DT d) { return d == DT::F64 ? DT::F64 : DT::F32; }
-
-void store(DT d, unsigned char* at, double v) {
-  switch (d) {
-    case DT::F32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DT::F64: std::memcpy(at, &v, 8); break;
-    case DT::F16: { __half h = __float2half_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-    case DT::BF16: { __nv_bfloat16 h = __float2bfloat16_rn(float(v)); std::memcpy(at, &h.bits, 2); break; }
-  }
-}
-double load(DT d, const unsigned char* at) {
-  switch (d) {
-    case DT::F32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DT::F64: { double v; std::memcpy(&v, at, 8); return v; }
-    case DT::F16: { __half h; std::memcpy(&h.bits, at, 2); return __half2float(h); }
-    default: { __nv_bfloat16 h; std::memcpy(&h.bits, at, 2); return __bfloat162float(h); }
-  }
-}
+// This harness's order of the dtypes (it fixes the random inputs each case gets).
+const DT kTopkDtypes[] = {DT::F32, DT::F64, DT::F16, DT::BF16};
 
 // "Device" memory: n elements of `size` bytes, then kGuard guard elements, all poisoned with
 // one byte pattern; guard() says whether the guard bytes are still that pattern.
 constexpr size_t kGuard = 16;
 constexpr unsigned char kPoison = 0x7b;  // 0x7b7b...: no probability, index or small gradient
-struct Buf {
+struct GuardedBuf {
   size_t n, size;
   std::vector<unsigned char> raw;
-  Buf(size_t n_, size_t size_) : n(n_), size(size_), raw((n_ + kGuard) * size_ + 64, kPoison) {}
+  GuardedBuf(size_t n_, size_t size_)
+      : n(n_), size(size_), raw((n_ + kGuard) * size_ + 64, kPoison) {}
   unsigned char* base() {
     auto p = reinterpret_cast<uintptr_t>(raw.data());
     return reinterpret_cast<unsigned char*>((p + 63) / 64 * 64);
@@ -69,26 +45,7 @@ struct Buf {
   }
 };
 
-unsigned long long rng_state = 0x70bc;
-double unit() {
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return double(rng_state >> 11) / double(1ull << 53);
-}
-
-Kernel kernel(const std::string& name) {
-  void* f = dlsym(RTLD_DEFAULT, name.c_str());
-  if (!f) {
-    std::printf("FAIL missing kernel %s\n", name.c_str());
-    std::exit(1);
-  }
-  return reinterpret_cast<Kernel>(f);
-}
-
-int failures = 0, checks = 0, launches = 0;
-
-void fail(const std::string& what, const char* why) {
-  if (++failures <= 30) std::printf("FAIL %s: %s\n", what.c_str(), why);
-}
+Lcg rng{0x70bc};
 
 // Softmax of one row in float64 with the kernels' NaN rule (one NaN makes the row NaN).
 std::vector<double> ref_softmax(const double* x, int n) {
@@ -122,11 +79,11 @@ bool same(double got, double want, double tol) {
 
 // Logits: 0 random over [-6, 6]; 1 multiples of 0.5 in [-2, 2] (many exact ties); 2 random
 // with rows of special values (a NaN, a +inf, all -inf, one -inf).
-std::vector<double> fill_logits(Buf& b, DT d, long rows, int n, int mode) {
+std::vector<double> fill_logits(GuardedBuf& b, DT d, long rows, int n, int mode) {
   std::vector<double> x(b.n);
   for (size_t i = 0; i < b.n; ++i) {
-    double v = (unit() * 2 - 1) * 6;
-    if (mode == 1) v = std::round((unit() * 2 - 1) * 4) / 2;
+    double v = (rng.unit() * 2 - 1) * 6;
+    if (mode == 1) v = std::round((rng.unit() * 2 - 1) * 4) / 2;
     store(d, b.base() + i * b.size, v);
     x[i] = load(d, b.base() + i * b.size);
   }
@@ -144,14 +101,15 @@ std::vector<double> fill_logits(Buf& b, DT d, long rows, int n, int mode) {
   return x;
 }
 
-void forward_case(const Dtype& dt, const std::string& variant, int n, int k, bool renormalize,
+void forward_case(DT d, const std::string& variant, int n, int k, bool renormalize,
                   long rows, unsigned grid, int mode) {
   char what[256];
   std::snprintf(what, sizeof what, "fwd_%s_%s experts=%d k=%d renorm=%d rows=%ld grid=%u mode=%d",
-                variant.c_str(), dt.tag, n, k, int(renormalize), rows, grid, mode);
-  const DT acc = acc_of(dt.d);
-  Buf x(size_t(rows) * n, dt_size(dt.d)), w(size_t(rows) * k, dt_size(acc)), idx(size_t(rows) * k, 8);
-  const std::vector<double> xs = fill_logits(x, dt.d, rows, n, mode);
+                variant.c_str(), dt_name(d), n, k, int(renormalize), rows, grid, mode);
+  const DT acc = acc_of(d);
+  GuardedBuf x(size_t(rows) * n, dt_size(d)), w(size_t(rows) * k, dt_size(acc)),
+      idx(size_t(rows) * k, 8);
+  const std::vector<double> xs = fill_logits(x, d, rows, n, mode);
   TopkParams prm{};
   prm.logits = x.base();
   prm.weights = w.base();
@@ -160,11 +118,10 @@ void forward_case(const Dtype& dt, const std::string& variant, int n, int k, boo
   prm.experts = n;
   prm.k = k;
   prm.renormalize = renormalize;
-  graft_emu::launch(kernel("graft_topk_softmax_fwd_" + variant + "_" + dt.tag), grid, 256, 0, prm);
-  ++launches;
+  launch("graft_topk_softmax_fwd_" + variant + "_" + dt_name(d), grid, 256, 0, prm);
   ++checks;
   if (!w.guard() || !idx.guard()) return fail(what, "wrote past the outputs");
-  const double tol = dt.d == DT::F64 ? 1e-12 : 2e-6;
+  const double tol = emu_common::tol(acc);  // the weights are in the accumulation type
   for (long r = 0; r < rows; ++r) {
     const std::vector<double> p = ref_softmax(&xs[r * n], n);
     const std::vector<int> order = ref_order(p, k);
@@ -185,15 +142,15 @@ void forward_case(const Dtype& dt, const std::string& variant, int n, int k, boo
   }
 }
 
-void backward_case(const Dtype& dt, int n, int k, bool renormalize, long rows, unsigned grid,
+void backward_case(DT d, int n, int k, bool renormalize, long rows, unsigned grid,
                    bool bad_index) {
   char what[256];
   std::snprintf(what, sizeof what, "bwd_%s experts=%d k=%d renorm=%d rows=%ld grid=%u bad_index=%d",
-                dt.tag, n, k, int(renormalize), rows, grid, int(bad_index));
-  const DT acc = acc_of(dt.d);
-  Buf x(size_t(rows) * n, dt_size(dt.d)), w(size_t(rows) * k, dt_size(acc)),
-      idx(size_t(rows) * k, 8), g(size_t(rows) * k, dt_size(acc)), dl(size_t(rows) * n, dt_size(dt.d));
-  const std::vector<double> xs = fill_logits(x, dt.d, rows, n, unit() < 0.5 ? 0 : 1);
+                dt_name(d), n, k, int(renormalize), rows, grid, int(bad_index));
+  const DT acc = acc_of(d);
+  GuardedBuf x(size_t(rows) * n, dt_size(d)), w(size_t(rows) * k, dt_size(acc)),
+      idx(size_t(rows) * k, 8), g(size_t(rows) * k, dt_size(acc)), dl(size_t(rows) * n, dt_size(d));
+  const std::vector<double> xs = fill_logits(x, d, rows, n, rng.unit() < 0.5 ? 0 : 1);
   // The routing the forward gives (float64), its weights rounded to the accumulation type.
   std::vector<double> ws(size_t(rows) * k), gs(size_t(rows) * k);
   std::vector<long long> is(size_t(rows) * k);
@@ -206,7 +163,7 @@ void backward_case(const Dtype& dt, int n, int k, bool renormalize, long rows, u
       const size_t i = r * k + j;
       store(acc, w.base() + i * w.size, renormalize ? p[order[j]] / sum : p[order[j]]);
       ws[i] = load(acc, w.base() + i * w.size);
-      store(acc, g.base() + i * g.size, unit() * 2 - 1);
+      store(acc, g.base() + i * g.size, rng.unit() * 2 - 1);
       gs[i] = load(acc, g.base() + i * g.size);
       is[i] = order[j];
     }
@@ -226,11 +183,10 @@ void backward_case(const Dtype& dt, int n, int k, bool renormalize, long rows, u
   prm.experts = n;
   prm.k = k;
   prm.renormalize = renormalize;
-  graft_emu::launch(kernel(std::string("graft_topk_softmax_bwd_") + dt.tag), grid, 256, 0, prm);
-  ++launches;
+  launch(std::string("graft_topk_softmax_bwd_") + dt_name(d), grid, 256, 0, prm);
   ++checks;
   if (!dl.guard()) return fail(what, "wrote past the gradient");
-  const double tol = dt.d == DT::F64 ? 1e-12 : dt.d == DT::F32 ? 5e-6 : dt.d == DT::F16 ? 2e-3 : 1e-2;
+  const double tol = d == DT::F32 ? 5e-6 : emu_common::tol(d);
   for (long r = 0; r < rows; ++r) {
     const std::vector<double> p = ref_softmax(&xs[r * n], n);
     std::vector<double> want(n, 0.0), terms(n, 0.0);
@@ -260,7 +216,7 @@ void backward_case(const Dtype& dt, int n, int k, bool renormalize, long rows, u
     }
     double num = 0, den = 0, scale = 0;
     for (int e = 0; e < n; ++e) {
-      const double got = load(dt.d, dl.base() + (r * n + e) * dl.size);
+      const double got = load(d, dl.base() + (r * n + e) * dl.size);
       if (want[e] == 0 && got != 0) {
         char why[128];
         std::snprintf(why, sizeof why, "row %ld expert %d: %.9g, expected 0", r, e, got);
@@ -293,7 +249,7 @@ std::vector<int> ks_for(int n) {
 
 int main(int argc, char** argv) {
   // `--quick`: one dtype's cases (float32) and the backward of the others.
-  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  const bool quick = emu_common::quick(argc, argv);
   struct Variant {
     std::string name;
     std::vector<int> experts;
@@ -302,25 +258,25 @@ int main(int argc, char** argv) {
       {"v1", {1, 5, 32}}, {"v2", {33, 64}},  {"v4", {8, 128}},
       {"v8", {256}},      {"v16", {64, 512}}, {"loop", {1, 64, 1000}},
   };
-  for (const Dtype& dt : kDtypes) {
-    const bool all = !quick || dt.d == DT::F32;
+  for (DT d : kTopkDtypes) {
+    const bool all = !quick || d == DT::F32;
     for (const Variant& v : variants) {
       if (!all) continue;
       for (int n : v.experts) {
         for (int k : ks_for(n))
-          for (bool renormalize : {false, true}) forward_case(dt, v.name, n, k, renormalize, 3, 1, 0);
+          for (bool renormalize : {false, true})
+            forward_case(d, v.name, n, k, renormalize, 3, 1, 0);
         // Several rows per warp (37 rows on 16 warps), special values, ties.
-        forward_case(dt, v.name, n, std::min(n, 2), true, 37, 2, 0);
-        if (n >= 4) forward_case(dt, v.name, n, 4, false, 4, 1, 2);
-        forward_case(dt, v.name, n, std::min(n, 6), true, 3, 1, 1);
+        forward_case(d, v.name, n, std::min(n, 2), true, 37, 2, 0);
+        if (n >= 4) forward_case(d, v.name, n, 4, false, 4, 1, 2);
+        forward_case(d, v.name, n, std::min(n, 6), true, 3, 1, 1);
       }
     }
     for (int n : {1, 8, 64, 513})
       for (int k : ks_for(n))
-        for (bool renormalize : {false, true}) backward_case(dt, n, k, renormalize, 3, 1, k == 1);
-    backward_case(dt, 64, 8, true, 37, 2, false);
-    backward_case(dt, 64, 8, false, 37, 2, false);
+        for (bool renormalize : {false, true}) backward_case(d, n, k, renormalize, 3, 1, k == 1);
+    backward_case(d, 64, 8, true, 37, 2, false);
+    backward_case(d, 64, 8, false, 37, 2, false);
   }
-  std::printf("emu: %d launches, %d checks, %d failures\n", launches, checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }
