@@ -295,6 +295,10 @@ def _profile(step: Any, device: torch.device) -> dict[str, Any]:
     for e in prof.events():
         if e.device_type != kind or e.time_range.elapsed_us() <= 0:
             continue
+        if getattr(e, "is_user_annotation", False):
+            # a range's span on the GPU timeline (``Optimizer.step#AdamW.step``, FSDP's
+            # ``FSDP::all_gather``, NCCL's ``nccl:_all_gather_base``), not a kernel
+            continue
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
         k = _kind(e.name)
         span = (float(e.time_range.start), float(e.time_range.end))
