@@ -204,9 +204,9 @@ def _train(name: str, args: argparse.Namespace, device: torch.device) -> dict[st
             "notes": prepared.notes,
         }
         if profile is not None:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, profile)
-            result["profile_per_rank"] = everyone
+            profiles: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(profiles, profile)
+            result["profile_per_rank"] = profiles
         if variant.grafts:
             grafts = {k: v["calls"] for k, v in torchgraft.stats().items() if v["calls"]}
             everyone: list[Any] = [None] * dist.get_world_size()
