@@ -83,3 +83,39 @@ def test_the_dropped_tensor_is_freed_after_the_forward() -> None:
     assert dropped() is None
     z.backward()
     assert x.grad is not None and torch.allclose(x.grad, x.detach().exp() * w.detach())
+
+
+def test_other_tensors_saved_in_the_block_are_freed_with_their_graph() -> None:
+    """An op in the block that saves its own output (``exp``) does not keep it alive: the pack
+    hook must not return the tensor itself (output -> grad_fn -> saved output, a cycle)."""
+    import gc
+    import weakref
+
+    x, _ = _inputs()
+    t = x * 2.0
+    with recomputed(t, lambda: x.detach() * 2.0, (x,)):
+        y = torch.exp(x + 1.0)
+    kept = weakref.ref(y)
+    gc.disable()
+    try:
+        del y
+        assert kept() is None
+    finally:
+        gc.enable()
+    with recomputed(t, lambda: x.detach() * 2.0, (x,)):
+        y = torch.exp(x + 1.0)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, torch.exp(x.detach() + 1.0))
+
+
+def test_another_tensor_saved_in_the_block_and_changed_in_place_fails_the_backward() -> None:
+    """autograd skips its version check for tensors that hooks packed: the hooks keep it."""
+    x, w = _inputs()
+    a = x * 1.0
+    t = x * 3.0
+    with recomputed(t, lambda: x.detach() * 3.0, (x,)):
+        z = (a * w).sum()  # mul saves a (for w's gradient)
+    with torch.no_grad():
+        a.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()

@@ -5,8 +5,9 @@ A layer whose intermediate is cheap to make again from tensors that stay alive a
 of rows from a saved input, an elementwise function of another saved tensor) need not keep it
 through the forward: under :func:`recomputed`, when an op saves that tensor for its backward,
 autograd keeps the recipe and its sources instead, and the backward runs the recipe when it
-needs the tensor. As with autograd's own saved tensors, a source modified in place after the
-forward makes the backward fail, not compute with changed values.
+needs the tensor. As with autograd's own saved tensors, a source, or another tensor saved in the
+block, modified in place after the forward makes the backward fail, not compute with changed
+values (autograd itself does not check tensors that hooks packed: the hooks do).
 
 Steps aside (the tensor is saved as usual) under torch.compile, outside grad mode, and inside
 another saved-tensor hook (activation checkpointing, CPU offloading): the innermost hooks alone
@@ -25,6 +26,35 @@ from torch import Tensor
 __all__ = ["recomputed"]
 
 
+_CHANGED = (
+    "one of the variables needed for gradient computation has been modified by an inplace operation"
+)
+"""The start of autograd's own message for a saved tensor changed in place."""
+
+
+class _Kept:
+    """Another tensor saved in the block, kept as autograd keeps it: a detached alias (the same
+    storage and version counter) and its version, checked in the backward (autograd does not
+    check tensors that saved-tensor hooks packed)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Tensor) -> None:
+        # Not the tensor itself: an op saving its own output would then hold the output, which
+        # holds the op (its grad_fn), a cycle Python's collector cannot see.
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+    def __call__(self) -> Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"{_CHANGED}: a tensor saved inside a torchgraft layer whose intermediate the "
+                f"backward computes again (saved at version {self.version}, now "
+                f"{self.tensor._version})"
+            )
+        return self.tensor
+
+
 class _Recipe:
     """What a dropped saved tensor is made from, and the sources' versions when it was made."""
 
@@ -37,11 +67,9 @@ class _Recipe:
 
     def __call__(self) -> Tensor:
         if tuple(s._version for s in self.sources) != self.versions:
-            # autograd's own message for a saved tensor changed in place
             raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                "inplace operation: an input of a torchgraft layer whose intermediate the "
-                "backward computes again (torchgraft.common.recompute)"
+                f"{_CHANGED}: an input of a torchgraft layer whose intermediate the backward "
+                "computes again (torchgraft.common.recompute)"
             )
         return self.make()
 
@@ -68,11 +96,11 @@ def recomputed(
     # target here would keep it alive as long as they are, the very memory this saves.
     target_ref = weakref.ref(target)
 
-    def pack(t: Tensor) -> object:
-        return _Recipe(make, sources) if t is target_ref() else t
+    def pack(t: Tensor) -> _Recipe | _Kept:
+        return _Recipe(make, sources) if t is target_ref() else _Kept(t)
 
-    def unpack(saved: object) -> Tensor:
-        return saved() if isinstance(saved, _Recipe) else saved  # type: ignore[return-value]
+    def unpack(saved: _Recipe | _Kept) -> Tensor:
+        return saved()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
