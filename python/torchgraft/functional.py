@@ -28,10 +28,8 @@ from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_e
 from torchgraft.ops.moe_permute import autograd as _moe
 from torchgraft.ops.moe_permute.reference import (
     moe_permute_reference,
+    moe_sort_reference,
     moe_unpermute_reference,
-)
-from torchgraft.ops.moe_permute.reference import (
-    moe_sort as _moe_sort,
 )
 from torchgraft.ops.rms_norm import autograd as _rms_norm
 from torchgraft.ops.rms_norm.reference import acc_dtype as _acc_dtype
@@ -460,6 +458,8 @@ def topk_softmax(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[
 
 # The devices the MoE permutation kernels run on, and the dtypes they read `valid` in.
 _MOE_DEVICES = ("cpu", "cuda")
+# The most experts moe_sort's CUDA kernel takes (graft-cuda's MOE_SORT_MAX_EXPERTS).
+_MOE_SORT_CUDA_EXPERTS = 2048
 _MOE_VALID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -490,8 +490,22 @@ def moe_sort(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tens
         int32, ``offsets[-1:]``, the number of slots of local experts. Ids outside ``[0,
         num_experts)`` (experts of other ranks under expert parallelism) sort last, into the
         sentinel slots at or beyond ``valid``.
+
+    One counting sort (Rust on CPU; two launches on CUDA, up to 2048 experts); int64 ids on
+    other devices, and more experts on CUDA, run torch's ops (a stable sort and a search).
     """
-    return _moe_sort(expert_ids, num_experts)
+    if num_experts < 1:
+        raise ValueError(f"moe_sort: num_experts must be at least 1, got {num_experts}")
+    takes = (
+        expert_ids.dtype == torch.int64
+        and expert_ids.device.type in _MOE_DEVICES
+        and (expert_ids.device.type == "cpu" or num_experts <= _MOE_SORT_CUDA_EXPERTS)
+        and expert_ids.numel() < 2**31
+    )
+    if not takes:
+        return moe_sort_reference(expert_ids, num_experts)
+    perm, inv_perm, offsets = torch.ops.torchgraft.moe_sort(expert_ids, num_experts)
+    return perm, inv_perm, offsets, offsets[-1:]
 
 
 def moe_permute(hidden: Tensor, perm: Tensor, valid: Tensor, top_k: int) -> Tensor:

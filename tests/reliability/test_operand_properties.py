@@ -47,7 +47,11 @@ from torchgraft import functional as tgf
 from torchgraft.ops.cross_entropy.reference import cross_entropy_eager
 from torchgraft.ops.glu.reference import geglu_eager, swiglu_eager, swiglu_packed_eager
 from torchgraft.ops.linear_cross_entropy.reference import linear_cross_entropy_eager
-from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
+from torchgraft.ops.moe_permute.reference import (
+    moe_permute_reference,
+    moe_sort_reference,
+    moe_unpermute_reference,
+)
 from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
 from torchgraft.ops.rope.reference import rope_eager
 from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
@@ -686,6 +690,30 @@ def _draw_moe_indices(d: Draw, pairs: int) -> tuple[Tensor, Tensor, Tensor]:
     return index(perm), index(inv_perm), d.place(valid.reshape(d.pick([[1], []])))
 
 
+def _draw_moe_sort(d: Draw) -> tuple[Tensor, int]:
+    """Expert ids of any shape, some of other ranks (below 0 or from ``num_experts`` on), now
+    and then a strided view or int32 (tagged ``dtype``); ``num_experts`` now and then 0."""
+    experts = d.pick([1, 2, 5, 8])
+    shape = d.shape((0, 3))
+    ids = torch.randint(-1, experts + 2, shape, generator=d.gen)
+    if d.chance(0.05):
+        ids = ids.int()
+        d.mistake("dtype")
+    if d.chance(0.2) and ids.dim() > 0:
+        wide = torch.stack([ids, torch.zeros_like(ids)], dim=-1)
+        ids = d.place(wide)[..., 0]
+    else:
+        ids = d.place(ids)
+    if d.chance(0.05):
+        experts = 0
+    return ids, experts
+
+
+def _moe_sort_eager(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The op's three outputs (``valid`` is the face's view of the offsets)."""
+    return moe_sort_reference(expert_ids, num_experts)[:3]
+
+
 def _draw_moe_permute(d: Draw) -> tuple[Any, ...]:
     tokens, top_k, width = d.size(), d.pick([1, 2, 3]), d.size()
     perm, _, valid = _draw_moe_indices(d, tokens * top_k)
@@ -728,6 +756,9 @@ def _moe_unpermute_backward_eager(grad, y, perm, inv_perm, valid, weights, top_k
 
 
 MOE_PERMUTE = [
+    Case("moe_sort", _draw_moe_sort, OPS.moe_sort, _moe_sort_eager),
+    Case("functional.moe_sort", _draw_moe_sort, tgf.moe_sort, moe_sort_reference, native=False,
+         refuses=frozenset()),
     Case("moe_permute", _draw_moe_permute, OPS.moe_permute, moe_permute_reference),
     Case("moe_unpermute", _draw_moe_unpermute, OPS.moe_unpermute, moe_unpermute_reference),
     Case("moe_unpermute_backward", _draw_moe_unpermute_backward, OPS.moe_unpermute_backward,

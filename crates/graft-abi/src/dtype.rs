@@ -135,6 +135,9 @@ impl Element for half::f16 {
 impl Element for i64 {
     const DTYPE: DType = DType::I64;
 }
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+}
 
 /// A device type code (`c10::DeviceType`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

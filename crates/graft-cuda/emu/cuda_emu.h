@@ -97,6 +97,34 @@ inline T __shfl_xor_sync(unsigned /*mask*/, T v, int o) {
   return r;
 }
 
+// The lanes of the running thread's warp holding the same value as it (every lane of the warp
+// takes part, as the kernels call it).
+template <typename T>
+inline unsigned __match_any_sync(unsigned /*mask*/, T v) {
+  static_assert(sizeof(T) <= 8, "match of at most 8 bytes");
+  auto* b = graft_emu::g_block;
+  const unsigned warp = graft_emu::t_tid / 32, lane = graft_emu::t_tid % 32;
+  const unsigned lanes = std::min(32u, blockDim.x - 32 * warp);
+  double* slots = &b->exchange[warp * 32];
+  std::memcpy(&slots[lane], &v, sizeof(T));
+  graft_emu::wait(b->warp_bar[warp]);
+  unsigned mask = 0;
+  for (unsigned l = 0; l < lanes; ++l) {
+    if (std::memcmp(&slots[l], &v, sizeof(T)) == 0) mask |= 1u << l;
+  }
+  graft_emu::wait(b->warp_bar[warp]);
+  return mask;
+}
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+
+// Fibers switch only at barriers, so a read-modify-write is atomic here.
+inline int atomicAdd(int* at, int v) {
+  const int old = *at;
+  *at = old + v;
+  return old;
+}
+
 template <typename T>
 inline T __ldg(const T* p) {
   return *p;

@@ -1,8 +1,11 @@
 // Runs the kernels of ops/moe_permute/moe_permute.cu on the CPU (cuda_emu.h) and compares them
-// with float64 references: every dtype and weight kind (none, same, acc), packed and
-// one-element paths, sentinel slots (valid < S) read as int32 and int64, valid out of range
-// (clamped), out-of-range indices (read as sentinels), K = 1, grid-stride loops (fewer warps
-// than rows). Outputs are poisoned with NaN first: every element must be written.
+// with references. The sort by expert against a stable comparison sort: one block and several,
+// chunks of one tile and of several, other ranks' ids, one expert, many experts; outputs
+// poisoned. The permutation ops against float64: every dtype and weight kind (none, same,
+// acc), packed and one-element paths, sentinel slots (valid < S) read as int32 and int64,
+// valid out of range (clamped), out-of-range indices (read as sentinels), K = 1, grid-stride
+// loops (fewer warps than rows). Outputs are poisoned with NaN first: every element must be
+// written.
 // Build and run with emu/run_moe_permute.sh. Exit status 1 on any mismatch.
 
 #include <cstdio>
@@ -142,9 +145,67 @@ void run_case(const Case& c, DT d, Weights wk, bool vec, bool valid64, unsigned 
   }
 }
 
+// The sort of `pairs` random ids (some outside [0, experts) when `foreign`) with `chunk` pairs
+// per block, against std::stable_sort of the keys.
+void run_sort(long pairs, long experts, bool foreign, long chunk) {
+  std::vector<long long> ids(pairs);
+  const unsigned long long span = experts + (foreign ? 5 : 0);
+  for (auto& id : ids) id = (long long)(rng.next_u64() % span) - (foreign ? 2 : 0);
+  auto key = [&](long long id) { return id >= 0 && id < experts ? id : experts; };
+  std::vector<long long> want(pairs);
+  std::iota(want.begin(), want.end(), 0);
+  std::stable_sort(want.begin(), want.end(),
+                   [&](long long a, long long b) { return key(ids[a]) < key(ids[b]); });
+  const long keys = experts + 1;
+  const unsigned chunks = unsigned(std::max(1L, (pairs + chunk - 1) / chunk));
+  std::vector<long long> perm(pairs, -7), inv(pairs, -7);
+  std::vector<int> offsets(experts, -7), counts(chunks * keys, -7);
+  graft_moe::SortParams p{ids.data(), perm.data(), inv.data(), offsets.data(), counts.data(),
+                          pairs, experts, chunk};
+  const unsigned threads = graft_moe::kSortThreads;
+  launch("graft_moe_sort_count", chunks, threads, 4 * keys, p);
+  launch("graft_moe_sort_place", chunks, threads,
+         4 * ((1 + graft_moe::kSortWarps) * keys + threads), p);
+  const std::string tag = "sort S=" + std::to_string(pairs) + " E=" + std::to_string(experts) +
+                          " chunk=" + std::to_string(chunk) + (foreign ? " foreign" : "");
+  ++checks;
+  if (perm != want) fail(tag, "perm differs from a stable sort by expert");
+  ++checks;
+  for (long s = 0; s < pairs; ++s) {
+    if (inv[want[s]] != s) {
+      fail(tag, "inv_perm is not perm's inverse at slot " + std::to_string(s));
+      break;
+    }
+  }
+  ++checks;
+  long end = 0;
+  for (long e = 0; e < experts; ++e) {
+    end += std::count_if(ids.begin(), ids.end(), [&](long long id) { return id == e; });
+    if (offsets[e] != end) {
+      fail(tag, "offsets[" + std::to_string(e) + "] = " + std::to_string(offsets[e]) +
+                    ", expected " + std::to_string(end));
+      break;
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
+  // (pairs, experts, foreign ids, pairs per block): one block and several, chunks of one and
+  // of several tiles (128 threads), a last chunk part-full, one expert, more experts than
+  // threads (a thread owns several keys).
+  const struct {
+    long pairs, experts;
+    bool foreign;
+    long chunk;
+  } sorts[] = {
+      {0, 4, false, 1},     {1, 1, false, 1},     {5, 3, true, 5},       {64, 8, false, 64},  {300, 8, true, 300},
+      {300, 8, true, 100},  {1000, 64, false, 256}, {1000, 64, true, 333},
+      {777, 1, true, 128},  {2000, 300, true, 512}, {513, 160, false, 129},
+  };
+  for (const auto& c : sorts) run_sort(c.pairs, c.experts, c.foreign, c.chunk);
+
   const Case cases[] = {
       {1, 1, 8, 1, false},  {1, 4, 16, 4, false},  {7, 1, 24, 5, false},
       {16, 4, 32, 64, false}, {16, 4, 32, 41, false}, {16, 4, 32, 0, false},

@@ -37,8 +37,8 @@ pub use ops::layer_norm::{
     LayerNormBackward, LayerNormForward,
 };
 pub use ops::moe_permute::{
-    moe_permute, moe_unpermute, moe_unpermute_backward, MoePermute, MoeUnpermute,
-    MoeUnpermuteBackward, MoeValid, MoeWeights,
+    moe_permute, moe_sort, moe_sort_workspace, moe_unpermute, moe_unpermute_backward, MoePermute,
+    MoeSort, MoeUnpermute, MoeUnpermuteBackward, MoeValid, MoeWeights, MOE_SORT_MAX_EXPERTS,
 };
 pub use ops::rms_norm::{
     plan_backward, plan_forward, rms_norm_backward, rms_norm_backward_with,

@@ -30,9 +30,10 @@ fn glu_and_rope_kernels_match_float64_on_the_cpu_emulator() {
     );
 }
 
-/// ops/moe_permute/moe_permute.cu on the emulator (emu/moe_permute_test.cpp): every dtype and
-/// weight kind, packed and one-element paths, sentinel slots with an int32 or int64 `valid`
-/// (also out of range: clamped), out-of-range indices read as sentinels, grid-stride loops.
+/// ops/moe_permute/moe_permute.cu on the emulator (emu/moe_permute_test.cpp): the sort by
+/// expert against a stable sort; every dtype and weight kind, packed and one-element paths,
+/// sentinel slots with an int32 or int64 `valid` (also out of range: clamped), out-of-range
+/// indices read as sentinels, grid-stride loops.
 #[test]
 fn moe_permute_kernels_match_float64_on_the_cpu_emulator() {
     let s = emu_harness::run("run_moe_permute.sh", &[]);

@@ -1,4 +1,4 @@
-//! MoE token permutation (permute, unpermute with and without weights, and unpermute's
+//! MoE token permutation (the sort by expert, permute, unpermute with and without weights, and unpermute's
 //! backward) against f64 references, for every dtype and the weight dtypes the kernels take,
 //! with sentinel slots (`valid < S`), K = 1, one token, no tokens, zero-width rows, and on
 //! parallel schedules that split the rows. Outputs are poisoned with NaN first.
@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use graft_kernels::ops::moe_permute::{
-    first_out_of_range, permute, unpermute, unpermute_backward, Permutation,
+    first_out_of_range, permute, sort, unpermute, unpermute_backward, Permutation,
 };
 use graft_kernels::{Float, Parallel, Serial, Threads};
 use half::{bf16, f16};
@@ -209,4 +209,45 @@ fn out_of_range_indices_are_found() {
     assert_eq!(first_out_of_range(&[0, 3, 2], 3), Some((1, 3)));
     assert_eq!(first_out_of_range(&[0, 1, -1], 3), Some((2, -1)));
     assert_eq!(first_out_of_range(&[], 0), None);
+}
+
+/// The sort by expert against a comparison sort of `(expert, pair)`, with ids of other ranks
+/// (negative and `>= experts`) sorting last, on random routings of every size class.
+#[test]
+fn sort_groups_pairs_by_expert_stably() {
+    let mut rng = Rng::new(7);
+    for (pairs, experts, foreign) in [
+        (0, 4, false),
+        (1, 1, false),
+        (64, 8, false),
+        (999, 64, true),
+        (4096, 3, true),
+    ] {
+        let ids: Vec<i64> = (0..pairs)
+            .map(|_| {
+                let span = experts as u64 + if foreign { 3 } else { 0 };
+                (rng.next_u64() % span) as i64 - i64::from(foreign)
+            })
+            .collect();
+        let key = |id: i64| {
+            if (0..experts as i64).contains(&id) {
+                id
+            } else {
+                experts as i64
+            }
+        };
+        let mut expected: Vec<i64> = (0..pairs as i64).collect();
+        expected.sort_by_key(|&p| key(ids[p as usize]));
+        let (mut perm, mut inv) = (vec![-1i64; pairs], vec![-1i64; pairs]);
+        let mut offsets = vec![-1i32; experts];
+        sort(&ids, experts, &mut perm, &mut inv, &mut offsets);
+        assert_eq!(perm, expected);
+        for (s, &p) in perm.iter().enumerate() {
+            assert_eq!(inv[p as usize], s as i64);
+        }
+        for (e, &end) in offsets.iter().enumerate() {
+            let count = ids.iter().filter(|&&id| key(id) <= e as i64).count();
+            assert_eq!(end as usize, count, "expert {e}");
+        }
+    }
 }

@@ -13,6 +13,7 @@ import torchgraft
 from torchgraft import functional as tgf
 from torchgraft.ops.moe_permute.reference import (
     moe_permute_reference,
+    moe_sort_reference,
     moe_unpermute_reference,
 )
 
@@ -56,7 +57,9 @@ def _poisoned_allocations():
 @pytest.mark.parametrize("sentinels", [0, 3])
 def test_moe_sort_groups_pairs_by_expert(sentinels):
     ids = _routing(50, 4, 8, sentinels)
+    before = _calls("moe_sort")
     perm, inv_perm, offsets, valid = tgf.moe_sort(ids, 8)
+    assert _calls("moe_sort") == before + 1
     flat = ids.reshape(-1)
     assert perm.dtype == inv_perm.dtype == torch.int64 and offsets.dtype == torch.int32
     assert offsets.shape == (8,) and valid.shape == (1,)
@@ -73,12 +76,35 @@ def test_moe_sort_groups_pairs_by_expert(sentinels):
     assert bool((keys[int(valid) :] == 8).all())
 
 
+@pytest.mark.parametrize(
+    ("shape", "experts", "low", "high"),
+    [((1, 1), 1, 0, 1), ((300, 8), 64, 0, 64), ((7, 3), 5, -3, 9), ((2, 4, 6), 16, -1, 20)],
+)
+def test_moe_sort_kernel_equals_torchs_sort(shape, experts, low, high):
+    """The counting sort gives exactly the stable sort and search of torch's ops, with ids of
+    other ranks on both sides of the local range and ids of any shape."""
+    ids = torch.randint(low, high, shape)
+    got = tgf.moe_sort(ids, experts)
+    want = moe_sort_reference(ids, experts)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
 def test_moe_sort_of_no_tokens():
     perm, inv_perm, offsets, valid = tgf.moe_sort(torch.zeros(0, 2, dtype=torch.int64), 4)
     assert perm.shape == inv_perm.shape == (0,)
     assert offsets.tolist() == [0, 0, 0, 0] and valid.tolist() == [0]
     with pytest.raises(ValueError, match="num_experts must be at least 1"):
         tgf.moe_sort(torch.zeros(2, 2, dtype=torch.int64), 0)
+
+
+def test_moe_sort_of_other_dtypes_runs_torchs_ops():
+    ids = torch.randint(0, 6, (20, 2))
+    before = _calls("moe_sort")
+    got = tgf.moe_sort(ids.int(), 6)
+    assert _calls("moe_sort") == before
+    for g, w in zip(got, moe_sort_reference(ids, 6), strict=True):
+        assert torch.equal(g, w)
 
 
 # --------------------------------------------------------------------------- forward values
@@ -227,6 +253,10 @@ def test_backward_op_writes_every_element():
 
 
 def test_errors_are_atens():
+    with pytest.raises(RuntimeError, match="expected expert_ids to have dtype Long, got Int"):
+        OPS.moe_sort(torch.zeros(3, 2, dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="num_experts must be at least 1, got 0"):
+        OPS.moe_sort(torch.zeros(3, 2, dtype=torch.int64), 0)
     perm, inv_perm, _, valid = tgf.moe_sort(_routing(4, 2, 4), 4)
     x, y = torch.randn(4, 3), torch.randn(8, 3)
     with pytest.raises(RuntimeError, match="top_k must be at least 1, got 0"):
@@ -295,6 +325,7 @@ def test_opcheck():
     x = torch.randn(6, 5, requires_grad=True)
     y = torch.randn(12, 5, requires_grad=True)
     w = torch.rand(6, 2, requires_grad=True)
+    torch.library.opcheck(OPS.moe_sort, (_routing(6, 2, 4, 1), 4))
     torch.library.opcheck(OPS.moe_permute, (x, perm, valid, 2))
     torch.library.opcheck(OPS.moe_unpermute, (y, inv_perm, valid, w, 2))
     torch.library.opcheck(OPS.moe_unpermute, (y, inv_perm, valid, None, 2))

@@ -1,4 +1,5 @@
-"""MoE token permutation on CUDA (the native CUDA C++ kernels): values and gradients against
+"""MoE token permutation on CUDA (the native CUDA C++ kernels): the sort by expert equal to
+torch's stable sort; values and gradients against
 float64 with poisoned allocations, sentinels, the packed and one-element paths, int32 and int64
 ``valid``, no host synchronisation, CUDA graphs, and the same results as on the CPU."""
 
@@ -9,7 +10,11 @@ import torch
 
 import torchgraft
 from torchgraft import functional as tgf
-from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
+from torchgraft.ops.moe_permute.reference import (
+    moe_permute_reference,
+    moe_sort_reference,
+    moe_unpermute_reference,
+)
 
 pytestmark = [pytest.mark.default_torch, pytest.mark.cuda]
 
@@ -93,6 +98,39 @@ def test_cuda_matches_float64(dtype, tokens, top_k, experts, hidden, sentinels, 
         assert (_calls(op) > n) == ran, op
 
 
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "low", "high"),
+    [
+        (0, 2, 4, 0, 4),
+        (1, 1, 1, 0, 1),
+        (8192, 8, 64, 0, 64),  # Qwen3-MoE's routing at 2 x 4096 tokens: 32 blocks
+        (8192, 2, 8, -2, 11),  # Mixtral's, with other ranks' ids on both sides
+        (3001, 6, 160, 0, 170),  # more experts than the block's threads
+        (50_000, 8, 2048, -1, 2049),  # the most experts; the block cap (31 chunks)
+        (1 << 17, 8, 8, 0, 8),  # 1M pairs: 512 chunks
+    ],
+)
+def test_moe_sort_equals_torchs_stable_sort(tokens, top_k, experts, low, high):
+    ids = torch.randint(low, high, (tokens, top_k), device="cuda")
+    _poison_allocator(8 * 3 * tokens * top_k + 4096)
+    before = _calls("moe_sort")
+    got = tgf.moe_sort(ids, experts)
+    assert _calls("moe_sort") == before + 1
+    for g, w in zip(got, moe_sort_reference(ids, experts), strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_moe_sort_beyond_the_kernels_experts_runs_torchs_ops():
+    ids = torch.randint(0, 3000, (100, 4), device="cuda")
+    before = _calls("moe_sort")
+    got = tgf.moe_sort(ids, 3000)
+    assert _calls("moe_sort") == before
+    for g, w in zip(got, moe_sort_reference(ids, 3000), strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(RuntimeError, match="at most 2048 experts, got 3000"):
+        OPS.moe_sort(ids, 3000)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unaligned_rows_take_the_one_element_path(dtype):
     _, inv_perm, _, valid = tgf.moe_sort(_routing(40, 4, 8, 1), 8)
@@ -166,6 +204,8 @@ def test_cuda_graph_replays_with_new_routing():
 def test_errors_on_cuda():
     perm, _, _, valid = tgf.moe_sort(_routing(4, 2, 4, 0), 4)
     x = torch.randn(4, 3, device="cuda")
+    with pytest.raises(RuntimeError, match="expected expert_ids to have dtype Long, got Int"):
+        OPS.moe_sort(perm.int(), 4)
     with pytest.raises(RuntimeError, match="same device"):
         OPS.moe_permute(x, perm.cpu(), valid, 2)
     with pytest.raises(RuntimeError, match="same device"):

@@ -1,5 +1,5 @@
-//! Mixture-of-experts token permutation: the rows of the `(token, k)` pairs gathered into expert
-//! order (`permute`), and the experts' output rows put back and summed per token with the
+//! Mixture-of-experts token permutation: the `(token, k)` pairs grouped by expert (`sort`), the
+//! rows of the pairs gathered into expert order (`permute`), and the experts' output rows put back and summed per token with the
 //! routing weights (`unpermute`), with the backward of `unpermute`. `permute`'s backward is
 //! `unpermute` without weights.
 //!
@@ -40,6 +40,55 @@ impl Permutation {
             self.valid <= self.pairs(),
             "valid must be at most tokens * top_k"
         );
+    }
+}
+
+/// Groups the pairs of `expert_ids` (`S`, pair `p = t * top_k + k`) by expert with a stable
+/// counting sort: `perm[s]` is the pair in slot `s` (experts ascending, pairs ascending within
+/// an expert), `inv_perm[perm[s]] = s`, and `offsets[e]` (`num_experts` of them) the end of
+/// expert `e`'s slots. An id outside `0..num_experts` (another rank's expert) counts in no
+/// expert: its pair sorts after every local one, so the slots from `offsets[num_experts - 1]`
+/// on are the sentinels. `S` must fit in `i32` (the offsets' type).
+pub fn sort(
+    expert_ids: &[i64],
+    num_experts: usize,
+    perm: &mut [i64],
+    inv_perm: &mut [i64],
+    offsets: &mut [i32],
+) {
+    let pairs = expert_ids.len();
+    assert!(num_experts >= 1, "num_experts must be at least 1");
+    assert!(i32::try_from(pairs).is_ok(), "at most i32::MAX pairs");
+    assert_eq!(perm.len(), pairs);
+    assert_eq!(inv_perm.len(), pairs);
+    assert_eq!(offsets.len(), num_experts);
+    // Key `num_experts` collects the other ranks' pairs, last.
+    let key = |id: i64| {
+        if (0..num_experts as i64).contains(&id) {
+            id as usize
+        } else {
+            num_experts
+        }
+    };
+    let mut next = vec![0usize; num_experts + 1];
+    for &id in expert_ids {
+        next[key(id)] += 1;
+    }
+    // Counts -> each key's first slot; `offsets` are the local keys' ends.
+    let mut start = 0;
+    for (e, n) in next.iter_mut().enumerate() {
+        let count = *n;
+        *n = start;
+        start += count;
+        if e < num_experts {
+            offsets[e] = start as i32;
+        }
+    }
+    for (p, &id) in expert_ids.iter().enumerate() {
+        let slot = &mut next[key(id)];
+        perm[*slot] = p as i64;
+        inv_perm[p] = *slot as i64;
+        *slot += 1;
     }
 }
 

@@ -265,6 +265,15 @@ const OPS: &[CustomOp] = &[
         cuda: true,
     },
     CustomOp {
+        op: "torchgraft::moe_sort",
+        schema: c"moe_sort(Tensor expert_ids, int num_experts) -> (Tensor, Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<moe_permute::cpu::MoeSortCpu>(c"moe_sort"),
+        register_cuda: |lib| lib.register::<moe_permute::cuda::MoeSortCuda>(c"moe_sort"),
+        cpu_counters: &moe_permute::cpu::MOE_SORT_CPU,
+        cuda_counters: &moe_permute::cuda::MOE_SORT_CUDA,
+        cuda: true,
+    },
+    CustomOp {
         op: "torchgraft::moe_permute",
         schema: c"moe_permute(Tensor hidden, Tensor perm, Tensor valid, int top_k) -> Tensor",
         register_cpu: |lib| lib.register::<moe_permute::cpu::MoePermuteCpu>(c"moe_permute"),

@@ -3,7 +3,8 @@ expert order (``moe_permute``), and the experts' output rows put back and summed
 the routing weights (``moe_unpermute``), as transformers' ``grouped_mm`` experts do around their
 grouped GEMMs.
 
-``reference`` holds the definition in torch's own ops (and ``moe_sort``, which makes the
-permutation); ``fake`` and ``autograd`` give ``torch.ops.torchgraft.moe_permute`` /
-``moe_unpermute`` their fake functions and autograd (kernels: Rust on CPU, CUDA C++ on CUDA).
+``reference`` holds the definitions in torch's own ops (with ``moe_sort_reference``, which
+makes the permutation); ``fake`` and ``autograd`` give ``torch.ops.torchgraft.moe_sort`` /
+``moe_permute`` / ``moe_unpermute`` their fake functions and autograd (kernels: Rust on CPU,
+CUDA C++ on CUDA).
 """

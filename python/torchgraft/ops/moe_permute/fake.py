@@ -1,4 +1,5 @@
-"""Fake functions of ``torchgraft::moe_permute``, ``moe_unpermute`` and its backward op.
+"""Fake functions of ``torchgraft::moe_sort``, ``moe_permute``, ``moe_unpermute`` and its
+backward op.
 
 The schemas and kernels are native (crates/graft-native/src/ops/moe_permute/); importing this
 module defines them and registers the fake functions (shapes for ``torch.compile``, with the
@@ -27,6 +28,18 @@ def _check_valid_and_top_k(op: str, valid: Tensor, top_k: int) -> None:
         )
     if top_k < 1:
         raise RuntimeError(f"{op}: top_k must be at least 1, got {top_k}")
+
+
+def check_sort(expert_ids: Tensor, num_experts: int) -> None:
+    """``moe_sort``'s operands (its Rust entry's ``check_sort``)."""
+    op = "moe_sort"
+    Operands(op).tensor("expert_ids", expert_ids).dtype(torch.int64).check()
+    if num_experts < 1:
+        raise RuntimeError(f"{op}: num_experts must be at least 1, got {num_experts}")
+    if expert_ids.numel() > 2**31 - 1:
+        raise RuntimeError(
+            f"{op}: {expert_ids.numel()} expert ids are too many: the offsets are int32"
+        )
 
 
 def check_permute(hidden: Tensor, perm: Tensor, valid: Tensor, top_k: int) -> None:
@@ -102,6 +115,18 @@ def check_unpermute(
         .optional("weights", weights)
         .sizes([tokens, top_k])
         .check()
+    )
+
+
+@torch.library.register_fake("torchgraft::moe_sort")
+def _moe_sort_fake(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    check_sort(expert_ids, num_experts)
+    pairs = expert_ids.numel()
+    perm = expert_ids.new_empty((pairs,))
+    return (
+        perm,
+        expert_ids.new_empty((pairs,)),
+        expert_ids.new_empty((num_experts,), dtype=torch.int32),
     )
 
 

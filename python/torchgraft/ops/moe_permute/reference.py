@@ -17,7 +17,7 @@ from torch import Tensor
 __all__ = [
     "inverse_permutation",
     "moe_permute_reference",
-    "moe_sort",
+    "moe_sort_reference",
     "moe_unpermute_reference",
 ]
 
@@ -75,7 +75,9 @@ def moe_unpermute_reference(
     return rows.view(pairs // top_k, top_k, width).sum(1).to(y.dtype)
 
 
-def moe_sort(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def moe_sort_reference(
+    expert_ids: Tensor, num_experts: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The pairs of ``expert_ids`` ``(T, K)`` grouped by expert, on their device with torch's
     ops (no host synchronisation; CUDA-graph and ``torch.compile`` safe).
 

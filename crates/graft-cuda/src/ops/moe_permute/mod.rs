@@ -1,5 +1,5 @@
-//! Mixture-of-experts token permutation (moe_permute.cu): the pairs' hidden rows gathered into
-//! expert order, the experts' rows put back and summed per token with the routing weights, and
+//! Mixture-of-experts token permutation (moe_permute.cu): the pairs sorted by expert (two
+//! launches, a count and a placement), the pairs' hidden rows gathered into expert order, the experts' rows put back and summed per token with the routing weights, and
 //! that sum's backward (the rows' gradient and the weights' in one launch). One warp per row.
 
 use crate::runtime::error::CudaError;
@@ -139,6 +139,133 @@ pub struct MoeUnpermuteBackward {
     pub top_k: usize,
 }
 
+/// Arguments of [`moe_sort`]: the `pairs` expert ids grouped by expert with a stable counting
+/// sort (`perm[s]` the pair in slot `s`, `inv_perm` its inverse, `offsets[e]` the end of expert
+/// `e`'s slots; ids outside `0..experts` sort last, counted in no expert). Every array
+/// contiguous on `device`.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSort {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// `CUstream` to launch on.
+    pub stream: usize,
+    /// `(pairs,)` int64 expert ids.
+    pub ids: u64,
+    /// Output `(pairs,)` int64.
+    pub perm: u64,
+    /// Output `(pairs,)` int64.
+    pub inv_perm: u64,
+    /// Output `(experts,)` int32.
+    pub offsets: u64,
+    /// Workspace of [`moe_sort_workspace`] int32 elements.
+    pub counts: u64,
+    /// Number of ids (at most `i32::MAX`).
+    pub pairs: usize,
+    /// Number of experts (`1..=MOE_SORT_MAX_EXPERTS`).
+    pub experts: usize,
+}
+
+/// The most experts [`moe_sort`] takes: its placement keeps five counters per expert in 48 KB
+/// of shared memory.
+pub const MOE_SORT_MAX_EXPERTS: usize = 2048;
+
+// The placement's shared memory at the most experts stays within the default 48 KB.
+const _: () =
+    assert!(4 * ((1 + SORT_BLOCK as usize / 32) * (MOE_SORT_MAX_EXPERTS + 1) + 128) <= 48 * 1024);
+
+/// `graft_moe::SortParams` of moe_permute.cu (every field 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SortParams {
+    ids: u64,
+    perm: u64,
+    inv_perm: u64,
+    offsets: u64,
+    counts: u64,
+    pairs: i64,
+    experts: i64,
+    chunk: i64,
+}
+
+/// Threads per block of the sort's kernels (moe_permute.cu's `kSortThreads`).
+const SORT_BLOCK: u32 = 128;
+/// Pairs per block the sort aims at.
+const SORT_CHUNK: usize = 2048;
+
+/// The sort's blocks and pairs per block. Each placement block reads every block's counts, so
+/// the blocks are capped at 65536 counters in all (32 blocks of 2048 pairs at 64 experts and
+/// 65536 pairs; fewer, longer chunks for many experts).
+fn sort_chunks(pairs: usize, experts: usize) -> (usize, usize) {
+    let cap = (65536 / (experts + 1)).max(1);
+    let chunks = pairs.div_ceil(SORT_CHUNK).clamp(1, cap);
+    (chunks, pairs.div_ceil(chunks).max(1))
+}
+
+/// The int32 elements of [`moe_sort`]'s workspace: one count per block and key.
+pub fn moe_sort_workspace(pairs: usize, experts: usize) -> usize {
+    sort_chunks(pairs, experts).0 * (experts + 1)
+}
+
+/// Sorts the pairs by expert on `a.stream` (two launches; with no pairs they write the offsets,
+/// all 0).
+pub fn moe_sort(a: &MoeSort) -> Result<(), CudaError> {
+    if a.experts == 0 || a.experts > MOE_SORT_MAX_EXPERTS {
+        return Err(invalid(format!(
+            "experts ({}) must be in 1..={MOE_SORT_MAX_EXPERTS}",
+            a.experts
+        )));
+    }
+    if i32::try_from(a.pairs).is_err() {
+        return Err(invalid(format!(
+            "{} pairs are too many (the offsets are int32)",
+            a.pairs
+        )));
+    }
+    for (name, p, al) in [
+        ("ids", a.ids, 8),
+        ("perm", a.perm, 8),
+        ("inv_perm", a.inv_perm, 8),
+        ("offsets", a.offsets, 4),
+        ("counts", a.counts, 4),
+    ] {
+        // Empty tensors may have no storage.
+        if a.pairs > 0 || name == "offsets" || name == "counts" {
+            check_ptr(name, p, al)?;
+        }
+    }
+    let (chunks, chunk) = sort_chunks(a.pairs, a.experts);
+    let mut params = SortParams {
+        ids: a.ids,
+        perm: a.perm,
+        inv_perm: a.inv_perm,
+        offsets: a.offsets,
+        counts: a.counts,
+        pairs: a.pairs as i64,
+        experts: a.experts as i64,
+        chunk: chunk as i64,
+    };
+    let keys = (a.experts + 1) as u32;
+    let warps = SORT_BLOCK / 32;
+    for (name, smem) in [
+        ("graft_moe_sort_count", 4 * keys),
+        (
+            "graft_moe_sort_place",
+            4 * ((1 + warps) * keys + SORT_BLOCK),
+        ),
+    ] {
+        let launch = NamedLaunch {
+            device: a.device,
+            stream: a.stream,
+            name,
+            grid: chunks as u32,
+            block: SORT_BLOCK,
+            smem,
+        };
+        launch_named(&launch, &mut params)?;
+    }
+    Ok(())
+}
+
 /// `graft_moe::MoeParams` of moe_permute.cu (every field 8 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -178,7 +305,10 @@ pub(crate) fn kernel_table() -> Vec<Kernel> {
 
 /// Entry points of moe_permute.cu.
 fn kernel_names() -> Vec<String> {
-    let mut out = Vec::new();
+    let mut out = vec![
+        "graft_moe_sort_count".to_string(),
+        "graft_moe_sort_place".to_string(),
+    ];
     for dtype in DTYPES {
         let dt = dtype_tag(dtype);
         out.push(format!("graft_moe_permute_{dt}"));
@@ -379,9 +509,26 @@ mod tests {
     #[test]
     fn names_cover_every_dtype_and_weight_kind() {
         let names = kernel_names();
-        assert_eq!(names.len(), 4 * (1 + 3 * 2));
+        assert_eq!(names.len(), 2 + 4 * (1 + 3 * 2));
         assert!(names.contains(&"graft_moe_unpermute_bwd_bf16_acc".to_string()));
         assert!(names.contains(&"graft_moe_permute_f64".to_string()));
+    }
+
+    #[test]
+    fn sort_params_match_the_cuda_struct() {
+        assert_eq!(std::mem::size_of::<SortParams>(), 8 * 8);
+    }
+
+    #[test]
+    fn sort_chunks_cover_the_pairs_within_the_counter_cap() {
+        assert_eq!(sort_chunks(65536, 64), (32, 2048));
+        assert_eq!(sort_chunks(0, 8), (1, 1));
+        assert_eq!(sort_chunks(5, 8), (1, 5));
+        for (pairs, experts) in [(1 << 20, 64), (1 << 20, 2048), (4097, 1), (123_457, 160)] {
+            let (chunks, chunk) = sort_chunks(pairs, experts);
+            assert!(chunks * chunk >= pairs && (chunks - 1) * chunk < pairs);
+            assert!(chunks * (experts + 1) <= 65536 || chunks == 1);
+        }
     }
 
     #[test]

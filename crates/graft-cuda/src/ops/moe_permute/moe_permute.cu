@@ -2,6 +2,8 @@
 // pairs, pair p = t * K + k; slot s holds pair perm[s], pair p sits at slot inv_perm[p]; slots
 // at or beyond `valid` are sentinels):
 //
+//   sort:          perm, inv_perm, offsets from the pairs' expert ids (a stable counting
+//                  sort; ids outside [0, E) sort last, counted in no expert)
 //   permute:       out[s] = hidden[perm[s] / K]                       (s < valid; else 0)
 //   unpermute:     out[t] = sum_k w[t, k] * y[inv_perm[t * K + k]]     (slots < valid)
 //   unpermute_bwd: dy[s] = w[perm[s]] * grad[perm[s] / K]              (s < valid; else 0)
@@ -18,6 +20,10 @@
 // check index values: that would synchronise).
 
 #include "common.cuh"
+
+#ifndef GRAFT_DYN_SMEM
+#define GRAFT_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 
 namespace graft_moe {
 
@@ -201,7 +207,135 @@ __device__ void unpermute_backward(const MoeParams& p) {
   }
 }
 
+// ----------------------------------------------------------------------------- the sort
+//
+// Two launches over the same chunks of pairs (chunk c: pairs [c * chunk, (c + 1) * chunk)),
+// one block per chunk, no atomics in global memory (the result is the same on every run):
+//   sort_count: counts[c][key] = the pairs of each key in chunk c;
+//   sort_place: a key's first slot for chunk c is every smaller key's total plus this key's
+//               pairs in the chunks before c; the chunk is then walked in tiles of the block's
+//               threads, each pair's slot that start plus the pairs of its key before it
+//               (earlier tiles, earlier warps of this tile, lower lanes of its warp).
+// A pair's key is its expert id when in [0, E), else E (another rank's expert: last).
+
+constexpr int kSortThreads = 128;
+constexpr int kSortWarps = kSortThreads / 32;
+
+// Mirrored by #[repr(C)] SortParams in mod.rs; every field is 8 bytes.
+struct SortParams {
+  const long long* ids;  // (S,)
+  long long* perm;       // (S,)
+  long long* inv_perm;   // (S,)
+  int* offsets;          // (E,): the end of each expert's slots
+  int* counts;           // (chunks, E + 1) workspace
+  long long pairs;       // S
+  long long experts;     // E
+  long long chunk;       // pairs per block
+};
+
+__device__ __forceinline__ int sort_key(long long id, long long experts) {
+  return id >= 0 && id < experts ? int(id) : int(experts);
+}
+
+__device__ void sort_count(const SortParams& p) {
+  GRAFT_DYN_SMEM(smem);
+  int* n = reinterpret_cast<int*>(smem);
+  const int keys = int(p.experts) + 1;
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) n[k] = 0;
+  __syncthreads();
+  const long long begin = (long long)blockIdx.x * p.chunk;
+  const long long end = begin + p.chunk < p.pairs ? begin + p.chunk : p.pairs;
+  for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    atomicAdd(&n[sort_key(p.ids[i], p.experts)], 1);  // shared memory: a count, order-free
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) p.counts[blockIdx.x * keys + k] = n[k];
+}
+
+__device__ void sort_place(const SortParams& p) {
+  GRAFT_DYN_SMEM(smem);
+  const int keys = int(p.experts) + 1;
+  int* start = reinterpret_cast<int*>(smem);  // (keys): the next slot of each key
+  int* warp_n = start + keys;                 // (warps, keys): a tile's pairs per warp and key
+  int* part = warp_n + kSortWarps * keys;     // (threads): the scan of key totals
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int chunks = gridDim.x, c = blockIdx.x;
+  // Each thread owns keys [k0, k1): their totals (in start) and their pairs in earlier chunks
+  // (in warp_n's first row), then its keys' total in part.
+  const int per = (keys + kSortThreads - 1) / kSortThreads;
+  const int k0 = tid * per < keys ? tid * per : keys;
+  const int k1 = k0 + per < keys ? k0 + per : keys;
+  int mine = 0;
+  for (int k = k0; k < k1; ++k) {
+    int total = 0, before = 0;
+    for (int b = 0; b < chunks; ++b) {
+      const int n = p.counts[b * keys + k];
+      total += n;
+      before += b < c ? n : 0;
+    }
+    start[k] = total;
+    warp_n[k] = before;
+    mine += total;
+  }
+  part[tid] = mine;
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int t = 0; t < kSortThreads; ++t) {
+      const int n = part[t];
+      part[t] = run;
+      run += n;
+    }
+  }
+  __syncthreads();
+  int run = part[tid];
+  for (int k = k0; k < k1; ++k) {
+    const int total = start[k];
+    start[k] = run + warp_n[k];
+    run += total;
+    if (c == 0 && k < p.experts) p.offsets[k] = run;
+  }
+  __syncthreads();
+  for (int k = tid; k < kSortWarps * keys; k += kSortThreads) warp_n[k] = 0;
+  __syncthreads();
+
+  const long long begin = (long long)c * p.chunk;
+  const long long end = begin + p.chunk < p.pairs ? begin + p.chunk : p.pairs;
+  for (long long base = begin; base < end; base += kSortThreads) {
+    const long long i = base + tid;
+    const int key = i < end ? sort_key(p.ids[i], p.experts) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, key);
+    const int rank = __popc(same & ((1u << lane) - 1u));  // lower lanes of this key
+    const bool leader = rank == 0 && key >= 0;
+    if (leader) warp_n[warp * keys + key] = __popc(same);
+    __syncthreads();
+    if (key >= 0) {
+      int slot = start[key] + rank;
+      for (int w = 0; w < warp; ++w) slot += warp_n[w * keys + key];
+      p.perm[slot] = i;
+      p.inv_perm[i] = slot;
+    }
+    __syncthreads();
+    if (leader) {
+      atomicAdd(&start[key], __popc(same));  // shared memory: the warps' counts of one key
+      warp_n[warp * keys + key] = 0;
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace graft_moe
+
+// The sort's two entry points (kSortThreads threads per block; mod.rs sizes the shared memory:
+// 4 * (E + 1) bytes for the count, 4 * ((1 + warps) * (E + 1) + threads) for the placement).
+extern "C" __global__ void __launch_bounds__(graft_moe::kSortThreads)
+    graft_moe_sort_count(const graft_moe::SortParams p) {
+  graft_moe::sort_count(p);
+}
+extern "C" __global__ void __launch_bounds__(graft_moe::kSortThreads)
+    graft_moe_sort_place(const graft_moe::SortParams p) {
+  graft_moe::sort_place(p);
+}
 
 // Entry points, 256 threads per block (mod.rs launches them so; any multiple of 32 works), at
 // least 4 blocks per SM: up to 64 registers a thread (with no minimum, ptxas gave the unweighted

@@ -6,11 +6,12 @@ use graft_kernels::ops::moe_permute::{self, first_out_of_range, Permutation};
 use graft_kernels::Float;
 use half::{bf16, f16};
 
-use super::{check_permute, check_unpermute, kernel_weights};
+use super::{check_permute, check_sort, check_unpermute, kernel_weights};
 use crate::common::stats::Counters;
 use crate::common::tensor::{contiguous, to_dtype, unsupported};
 use crate::common::threads::TorchPool;
 
+pub static MOE_SORT_CPU: Counters = Counters::new();
 pub static MOE_PERMUTE_CPU: Counters = Counters::new();
 pub static MOE_UNPERMUTE_CPU: Counters = Counters::new();
 pub static MOE_UNPERMUTE_BACKWARD_CPU: Counters = Counters::new();
@@ -130,6 +131,32 @@ macro_rules! by_dtypes {
             (other, _) => Err(unsupported($op, other)),
         }
     };
+}
+
+/// `torchgraft::moe_sort` at CPU: one serial counting sort (linear in the ids).
+pub struct MoeSortCpu;
+
+impl Kernel for MoeSortCpu {
+    type Args = (Tensor, i64);
+    type Outputs = (Tensor, Tensor, Tensor);
+    fn run((expert_ids, num_experts): Self::Args) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "moe_sort";
+        MOE_SORT_CPU.call();
+        let (_, pairs) = check_sort(OP, DeviceType::CPU, &expert_ids, num_experts)?;
+        let ids = contiguous(&expert_ids)?;
+        let n = pairs as i64;
+        let mut perm = NewTensor::empty(&[n], DType::I64, Device::CPU)?;
+        let mut inv_perm = NewTensor::empty(&[n], DType::I64, Device::CPU)?;
+        let mut offsets = NewTensor::empty(&[num_experts], DType::I32, Device::CPU)?;
+        moe_permute::sort(
+            ids.as_slice()?,
+            num_experts as usize,
+            perm.as_mut_slice()?,
+            inv_perm.as_mut_slice()?,
+            offsets.as_mut_slice()?,
+        );
+        Ok((perm.finish(), inv_perm.finish(), offsets.finish()))
+    }
 }
 
 /// `torchgraft::moe_permute` at CPU.

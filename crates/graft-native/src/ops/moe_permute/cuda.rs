@@ -2,14 +2,15 @@
 //! tensors' device. Index values are not read on the host (see the module's docs).
 
 use graft_abi::cuda::{current_stream, DeviceGuard};
-use graft_abi::{DType, Device, DeviceType, Kernel, NewTensor, Result, Tensor};
+use graft_abi::{ensure, DType, Device, DeviceType, Kernel, NewTensor, Result, Tensor};
 use graft_cuda::{MoeValid, MoeWeights};
 
-use super::{check_permute, check_unpermute, kernel_weights};
+use super::{check_permute, check_sort, check_unpermute, kernel_weights};
 use crate::common::cuda::{cuda_dtype, cuda_error, ptr};
 use crate::common::stats::Counters;
 use crate::common::tensor::{contiguous, to_dtype};
 
+pub static MOE_SORT_CUDA: Counters = Counters::new();
 pub static MOE_PERMUTE_CUDA: Counters = Counters::new();
 pub static MOE_UNPERMUTE_CUDA: Counters = Counters::new();
 pub static MOE_UNPERMUTE_BACKWARD_CUDA: Counters = Counters::new();
@@ -37,6 +38,48 @@ fn weights_of(y: DType, weights: Option<&Tensor>) -> Result<(Option<Tensor>, Moe
 
 fn ptr_or_null(t: Option<&Tensor>) -> Result<u64> {
     t.map_or(Ok(0), ptr)
+}
+
+/// `torchgraft::moe_sort` at CUDA: two launches and an int32 workspace from torch's allocator;
+/// up to `MOE_SORT_MAX_EXPERTS` experts.
+pub struct MoeSortCuda;
+
+impl Kernel for MoeSortCuda {
+    type Args = (Tensor, i64);
+    type Outputs = (Tensor, Tensor, Tensor);
+    fn run((expert_ids, num_experts): Self::Args) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "moe_sort";
+        MOE_SORT_CUDA.call();
+        let (checked, pairs) = check_sort(OP, DeviceType::CUDA, &expert_ids, num_experts)?;
+        let most = graft_cuda::MOE_SORT_MAX_EXPERTS;
+        ensure!(
+            num_experts as usize <= most,
+            "{OP}: the CUDA kernel takes at most {most} experts, got {num_experts}"
+        );
+        let device: Device = checked.device;
+        let _guard = DeviceGuard::new(device.index)?;
+        let ids = contiguous(&expert_ids)?;
+        let experts = num_experts as usize;
+        let n = pairs as i64;
+        let perm = NewTensor::empty(&[n], DType::I64, device)?.finish();
+        let inv_perm = NewTensor::empty(&[n], DType::I64, device)?.finish();
+        let offsets = NewTensor::empty(&[num_experts], DType::I32, device)?.finish();
+        let ws = graft_cuda::moe_sort_workspace(pairs, experts) as i64;
+        let counts = NewTensor::empty(&[ws], DType::I32, device)?.finish();
+        graft_cuda::moe_sort(&graft_cuda::MoeSort {
+            device: device.index,
+            stream: current_stream(device.index)? as usize,
+            ids: ptr(&ids)?,
+            perm: ptr(&perm)?,
+            inv_perm: ptr(&inv_perm)?,
+            offsets: ptr(&offsets)?,
+            counts: ptr(&counts)?,
+            pairs,
+            experts,
+        })
+        .map_err(cuda_error)?;
+        Ok((perm, inv_perm, offsets))
+    }
 }
 
 /// `torchgraft::moe_permute` at CUDA.

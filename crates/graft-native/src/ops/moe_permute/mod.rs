@@ -1,5 +1,6 @@
-//! Mixture-of-experts token permutation: `torchgraft::moe_permute` (the `(token, k)` pairs'
-//! hidden rows gathered into expert order), `torchgraft::moe_unpermute` (the experts' output
+//! Mixture-of-experts token permutation: `torchgraft::moe_sort` (the `(token, k)` pairs
+//! grouped by expert), `torchgraft::moe_permute` (the pairs' hidden rows gathered into expert
+//! order), `torchgraft::moe_unpermute` (the experts' output
 //! rows put back and summed per token with the routing weights) and its backward, on CPU
 //! (graft-kernels) and CUDA (graft-cuda). `moe_permute`'s backward is `moe_unpermute` without
 //! weights (Python's autograd calls it).
@@ -123,6 +124,30 @@ fn check_unpermute(
         .sizes(&[tokens, top_k])
         .check()?;
     Ok((checked, tokens, width))
+}
+
+/// `moe_sort`'s operands: int64 expert ids of any shape, at least one expert, at most
+/// `i32::MAX` ids (the offsets are int32). Returns the check and the number of ids.
+fn check_sort(
+    op: &str,
+    kernel: DeviceType,
+    expert_ids: &Tensor,
+    num_experts: i64,
+) -> Result<(Checked, usize)> {
+    let checked = Operands::new(op, kernel)
+        .tensor("expert_ids", expert_ids)
+        .dtype(DType::I64)
+        .check()?;
+    ensure!(
+        num_experts >= 1,
+        "{op}: num_experts must be at least 1, got {num_experts}"
+    );
+    let pairs = expert_ids.numel()?;
+    ensure!(
+        i32::try_from(pairs).is_ok(),
+        "{op}: {pairs} expert ids are too many: the offsets are int32"
+    );
+    Ok((checked, pairs))
 }
 
 /// `valid` is int32 (what `offsets[-1:]` of grouped GEMM offsets is) or int64.
