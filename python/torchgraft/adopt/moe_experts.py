@@ -81,6 +81,8 @@ def _variant(
     activation class it was verified against), the gating fused on the ``[gate; up]`` layout
     wherever it computes what the block's own gating would (see :func:`_fused_gate_applies`)."""
     sort, permute, unpermute = ops
+    # Looked up here, not in the forward: torch.compile (2.11) cannot trace the import.
+    default_gate = _default_apply_gate()
 
     def grouped_linear(
         x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, t: bool
@@ -102,7 +104,7 @@ def _variant(
         again = functools.partial(permute, hidden_states, perm, valid, top_k)
         with recomputed(rows, again, (hidden_states, perm, valid)):
             gate_up = grouped_linear(rows, self.gate_up_proj, offsets, self.is_transposed)
-        if swiglu is not None and _fused_gate_applies(self, swiglu[1]):
+        if swiglu is not None and _fused_gate_applies(self, swiglu[1], default_gate):
             # gate_up is this forward's own intermediate: its gradient may overwrite it.
             gated = swiglu[0](gate_up, inplace_backward=True)
             # The gated rows are made again from gate_up for the down GEMM's weight gradient,
@@ -123,16 +125,16 @@ def _variant(
     return Variant("grouped, fused SwiGLU", OP, forward)
 
 
-def _fused_gate_applies(module: nn.Module, activation: type) -> bool:
+def _fused_gate_applies(module: nn.Module, activation: type, default_gate: object) -> bool:
     """Whether ``swiglu_packed`` computes what ``module._apply_gate`` would, and nothing runs
-    around it that the fused op would skip: transformers' default gating, the activation class
-    verified on the probe, no hooks on it and no global module hooks. Plain attribute and dict
-    reads, on every call."""
+    around it that the fused op would skip: transformers' default gating (``default_gate``),
+    the activation class verified on the probe, no hooks on it and no global module hooks.
+    Plain attribute and dict reads, on every call."""
     act = module._modules["act_fn"]
     return (
         type(act) is activation
         and "_apply_gate" not in module.__dict__
-        and getattr(type(module), "_apply_gate", None) is _default_apply_gate()
+        and getattr(type(module), "_apply_gate", None) is default_gate
         and not (act._forward_hooks or act._forward_pre_hooks)
         and not guard.global_hooks()
     )
@@ -169,7 +171,9 @@ class MoEExpertsAdopter:
             return c
         ops, grouped_mm, swiglu = plan
         keys: list[tuple[object, ...]] = [(ops, grouped_mm, None)]
-        if swiglu is not None and _fused_gate_applies(module, type(module.act_fn)):
+        if swiglu is not None and _fused_gate_applies(
+            module, type(module.act_fn), _default_apply_gate()
+        ):
             keys.insert(0, (ops, grouped_mm, (swiglu, type(module.act_fn))))
         for key in keys:
             if key not in self._variants:
