@@ -140,7 +140,9 @@ void run_case(const Case& c, DT d, Weights wk, bool vec, bool valid64, unsigned 
       // The pair a bad slot held is named by no slot: its gradient stays unwritten.
       auto got = read(wd, dw.p, S);
       if (bad_slot >= 0) got[perm[bad_slot]] = ref_dw[perm[bad_slot]];
-      check_close("bwd dweights " + wtag + " " + tag, got, ref_dw, {.tol = tol(wd)});
+      // A dot product of H terms summed in the accumulation type: its error grows with H.
+      const double dot_tol = tol(wd) * std::max(1.0, std::sqrt(double(H) / 256.0));
+      check_close("bwd dweights " + wtag + " " + tag, got, ref_dw, {.tol = dot_tol});
     }
   }
 }
@@ -210,7 +212,7 @@ int main() {
       {1, 1, 8, 1, false},  {1, 4, 16, 4, false},  {7, 1, 24, 5, false},
       {16, 4, 32, 64, false}, {16, 4, 32, 41, false}, {16, 4, 32, 0, false},
       {9, 3, 40, 100, false}, {9, 3, 40, -2, false},  {12, 2, 72, 20, true},
-      {33, 8, 8, 200, false}, {5, 2, 3, 7, false},
+      {33, 8, 8, 200, false}, {5, 2, 3, 7, false}, {3, 2, 2056, 5, false},
   };
   for (const Case& c : cases) {
     for (DT d : kDtypes) {

@@ -1,0 +1,176 @@
+"""The MoE token permutation's kernels on CUDA against their memory floor and torch's ops, at
+the MoE yardstick's shapes (bf16 rows, routing weights of the rows' dtype as Qwen3-MoE and
+OLMoE pass them).
+
+For each op, device time per call (10 calls captured in a CUDA graph, the replay timed; median
+of the rounds), for torchgraft's kernel and for the same result in torch's ops
+(``reference.py``'s expressions), beside the floor: the bytes the op must move (every output
+written once, every input read once) at the copy bandwidth measured in the same run (a
+``copy_`` of 1 GiB). Outputs are checked against the torch ops before timing.
+
+    PYTHONPATH=python python bench/moe_permute_cuda.py --out $OUT/moe_permute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from torchgraft import functional as tgf
+from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
+
+OPS = torch.ops.torchgraft
+# (name, tokens, top_k, experts, hidden)
+SHAPES = [
+    ("qwen3moe small", 8192, 8, 64, 2048),
+    ("mixtral small", 8192, 2, 8, 4096),
+]
+
+
+def eager_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Per-call time of ``calls`` eager calls between two events (device-bound for ops this
+    size: the host queues them faster than the GPU runs them)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def device_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Per-call device time of ``fn`` in ms: ``calls`` calls in a CUDA graph, the replay
+    timed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def copy_tb_per_s(rounds: int) -> float:
+    """Device copy bandwidth (bytes read + written per second, in TB/s) of a 1 GiB copy."""
+    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = statistics.median(device_ms(lambda: dst.copy_(src), 5) for _ in range(rounds))
+    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def cases(tokens: int, top_k: int, experts: int, hidden: int) -> dict[str, tuple]:
+    """Per op: (torchgraft call, torch-ops call, bytes it must move). The torch ops' backward
+    runs autograd, which is timed eagerly (not captured)."""
+    pairs = tokens * top_k
+    ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
+    perm, inv_perm, _, valid = tgf.moe_sort(ids, experts)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(pairs, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(tokens, top_k, device="cuda").to(torch.bfloat16)
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    rows, row = pairs * hidden * 2, tokens * hidden * 2
+
+    def unpermute_backward_torch() -> tuple[torch.Tensor, ...]:
+        y_ = y.detach().requires_grad_()
+        w_ = w.detach().requires_grad_()
+        out = moe_unpermute_reference(y_, inv_perm, valid, w_, top_k)
+        return torch.autograd.grad(out, (y_, w_), grad)
+
+    return {
+        "moe_permute": (
+            lambda: OPS.moe_permute(x, perm, valid, top_k),
+            lambda: moe_permute_reference(x, perm, valid, top_k),
+            rows + row,
+        ),
+        "moe_unpermute (weighted)": (
+            lambda: OPS.moe_unpermute(y, inv_perm, valid, w, top_k),
+            lambda: moe_unpermute_reference(y, inv_perm, valid, w, top_k),
+            rows + row,
+        ),
+        "moe_unpermute_backward (weighted)": (
+            lambda: OPS.moe_unpermute_backward(grad, y, perm, inv_perm, valid, w, top_k),
+            unpermute_backward_torch,
+            2 * rows + row,
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_tb_per_s(args.rounds)
+    rows = []
+    for name, tokens, top_k, experts, hidden in SHAPES:
+        for op, (ours, theirs, nbytes) in cases(tokens, top_k, experts, hidden).items():
+            got, want = ours(), theirs()
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            for g, r in zip(got, want, strict=True):
+                err = float((g.double() - r.double()).norm() / r.double().norm())
+                assert err < 1e-2, f"{name} {op}: relative error {err}"
+            times = {"torchgraft": [], "torch ops": []}
+            for _ in range(args.rounds):
+                times["torchgraft"].append(device_ms(ours))
+                timer = eager_ms if "backward" in op else device_ms
+                times["torch ops"].append(timer(theirs))
+            row = {
+                "shape": name,
+                "op": op,
+                "bytes": nbytes,
+                "floor_ms": nbytes / (bandwidth * 1e12) * 1e3,
+                "torchgraft_ms": statistics.median(times["torchgraft"]),
+                "torch_ops_ms": statistics.median(times["torch ops"]),
+            }
+            row["of_floor"] = row["torchgraft_ms"] / row["floor_ms"]
+            row["vs_torch_ops"] = row["torch_ops_ms"] / row["torchgraft_ms"]
+            rows.append(row)
+            print(row, flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_tb_per_s": bandwidth,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"moe_permute_cuda-{torch.cuda.get_device_name().split()[-1].lower()}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [
+        f"**MoE permutation kernels on {meta['device']}** (torch {meta['torch']}, "
+        f"{meta['date']}; bf16; copy {bandwidth:.2f} TB/s; medians of {args.rounds} rounds; "
+        "`bench/moe_permute_cuda.py`)",
+        "",
+        "| shape | op | floor ms | torchgraft ms (x floor) | torch ops ms (x torchgraft) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['op']} | {r['floor_ms']:.3f} | {r['torchgraft_ms']:.3f} "
+            f"({r['of_floor']:.2f}x) | {r['torch_ops_ms']:.3f} ({r['vs_torch_ops']:.2f}x) |"
+        )
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
