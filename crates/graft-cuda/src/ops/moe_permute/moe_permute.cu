@@ -55,10 +55,6 @@ __device__ __forceinline__ long long read_valid(const MoeParams& p) {
   return v < 0 ? 0 : (v > p.pairs ? p.pairs : v);
 }
 
-// 16-byte packs each lane loads before storing any (permute, unpermute's backward): more bytes
-// in flight per warp.
-constexpr int kBatch = 4;
-
 // This warp's first row, the rows between its visits, and its lane.
 struct Warp {
   long long first, stride;
@@ -95,21 +91,8 @@ __device__ void permute(const MoeParams& p) {
       Pack<T> zeros;
 #pragma unroll
       for (int e = 0; e < N; ++e) zeros.v[e] = zero;
-      // kBatch loads in flight per lane before their stores (a store may alias a later load,
-      // so the compiler would not hoist them).
-      const long long packs = h / N;
-      for (long long j0 = w.lane; j0 < packs; j0 += 32 * kBatch) {
-        Pack<T> v[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const long long j = j0 + 32 * u;
-          v[u] = real && j < packs ? graft_common::load_pack(row + j * N) : zeros;
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const long long j = j0 + 32 * u;
-          if (j < packs) graft_common::store_pack(dst + j * N, v[u]);
-        }
+      for (long long j = w.lane; j < h / N; j += 32) {
+        graft_common::store_pack(dst + j * N, real ? graft_common::load_pack(row + j * N) : zeros);
       }
     } else {
       for (long long c = w.lane; c < h; c += 32) dst[c] = real ? row[c] : zero;
@@ -183,40 +166,26 @@ __device__ void unpermute_backward(const MoeParams& p) {
     A dot = A(0);
     if (p.vec) {
       constexpr int N = Pack<T>::N;
-      const long long packs = h / N;
-      // As in permute: kBatch packs of grad (and y) loaded per lane before the stores.
-      for (long long j0 = w.lane; j0 < packs; j0 += 32 * kBatch) {
-        Pack<T> gv[kBatch], yv[kBatch];
+      for (long long j = w.lane; j < h / N; j += 32) {
+        Pack<T> o;
+        if (real) {
+          const Pack<T> gv = graft_common::load_pack(g + j * N);
+          if (WEIGHTED) {
+            const Pack<T> yv = graft_common::load_pack(ys + j * N);
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const long long j = j0 + 32 * u;
-          if (real && j < packs) {
-            gv[u] = graft_common::load_pack(g + j * N);
-            if (WEIGHTED) yv[u] = graft_common::load_pack(ys + j * N);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const long long j = j0 + 32 * u;
-          if (j >= packs) continue;
-          Pack<T> o;
-          if (real) {
-            if (WEIGHTED) {
-#pragma unroll
-              for (int e = 0; e < N; ++e) {
-                const A ge = to_acc(gv[u].v[e]);
-                o.v[e] = from_acc<T>(wp * ge);
-                dot += to_acc(yv[u].v[e]) * ge;
-              }
-            } else {
-              o = gv[u];
+            for (int e = 0; e < N; ++e) {
+              const A ge = to_acc(gv.v[e]);
+              o.v[e] = from_acc<T>(wp * ge);
+              dot += to_acc(yv.v[e]) * ge;
             }
           } else {
-#pragma unroll
-            for (int e = 0; e < N; ++e) o.v[e] = from_acc<T>(A(0));
+            o = gv;
           }
-          graft_common::store_pack(dst + j * N, o);
+        } else {
+#pragma unroll
+          for (int e = 0; e < N; ++e) o.v[e] = from_acc<T>(A(0));
         }
+        graft_common::store_pack(dst + j * N, o);
       }
     } else {
       for (long long c = w.lane; c < h; c += 32) {
