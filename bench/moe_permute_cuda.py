@@ -2,13 +2,13 @@
 the MoE yardstick's shapes (bf16 rows, routing weights of the rows' dtype as Qwen3-MoE and
 OLMoE pass them).
 
-For each op, device time per call (10 calls captured in a CUDA graph, the replay timed; median
-of the rounds), for torchgraft's kernel and for the same result in torch's ops
-(``reference.py``'s expressions), beside the floor: the bytes the op must move (every output
-written once, every input read once) at the copy bandwidth measured in the same run (1 GiB,
-the faster of ``copy_`` and an elementwise ``neg``: ``copy_`` is a memcpy, measured at 2.77
-TB/s on the H200, well below what kernels reach). Outputs are checked against the torch ops
-before timing.
+For each op, device time per call (one call captured in a CUDA graph, its replays timed by
+``torchgraft.bench.timing.measure``; median of the rounds), for torchgraft's kernel and for the
+same result in torch's ops (``reference.py``'s expressions), beside the floor: the bytes the
+op must move (every output written once, every input read once) at the copy bandwidth measured
+in the same run (1 GiB, the faster of ``copy_`` and an elementwise ``neg``: ``copy_`` is a
+memcpy, measured at 2.77 TB/s on the H200, well below what kernels reach). Outputs are checked
+against the torch ops before timing.
 
     PYTHONPATH=python python bench/moe_permute_cuda.py --out $OUT/moe_permute
 """
@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 from torchgraft import functional as tgf
+from torchgraft.bench import timing
 from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
 
 OPS = torch.ops.torchgraft
+DEVICE = torch.device("cuda")
 # (name, tokens, top_k, experts, hidden)
 SHAPES = [
     ("qwen3moe small", 8192, 8, 64, 2048),
@@ -35,49 +37,20 @@ SHAPES = [
 ]
 
 
-def eager_ms(fn: Callable[[], object], calls: int = 10) -> float:
-    """Per-call time of ``calls`` eager calls between two events (device-bound for ops this
-    size: the host queues them faster than the GPU runs them)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+def device_ms(fn: Callable[[], object], capture: bool = True) -> float:
+    """Device time of one call in ms (``torchgraft.bench.timing.measure``'s median): captured
+    in a CUDA graph and replayed, or (``capture=False``, for autograd, which is not captured)
+    eager calls, device-bound for ops this size (the host queues them faster than the GPU
+    runs them)."""
+    return timing.measure(timing.graphed(fn, DEVICE) if capture else fn, DEVICE).median_ms
 
 
-def device_ms(fn: Callable[[], object], calls: int = 10) -> float:
-    """Per-call device time of ``fn`` in ms: ``calls`` calls in a CUDA graph, the replay
-    timed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def copy_tb_per_s(rounds: int) -> float:
+def copy_tb_per_s() -> float:
     """Device copy bandwidth (bytes read + written per second, in TB/s) over 1 GiB: the faster
     of ``copy_`` (a device-to-device memcpy) and an elementwise pass (``neg``)."""
     src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    best = min(
-        statistics.median(device_ms(fn, 5) for _ in range(rounds))
-        for fn in (lambda: dst.copy_(src), lambda: torch.neg(src, out=dst))
-    )
+    best = min(device_ms(fn) for fn in (lambda: dst.copy_(src), lambda: torch.neg(src, out=dst)))
     return 2 * src.numel() * 2 / (best * 1e-3) / 1e12
 
 
@@ -120,11 +93,11 @@ def cases(tokens: int, top_k: int, experts: int, hidden: int) -> dict[str, tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    bandwidth = copy_tb_per_s(args.rounds)
+    bandwidth = copy_tb_per_s()
     rows = []
     for name, tokens, top_k, experts, hidden in SHAPES:
         for op, (ours, theirs, nbytes) in cases(tokens, top_k, experts, hidden).items():
@@ -137,8 +110,7 @@ def main() -> None:
             times = {"torchgraft": [], "torch ops": []}
             for _ in range(args.rounds):
                 times["torchgraft"].append(device_ms(ours))
-                timer = eager_ms if "backward" in op else device_ms
-                times["torch ops"].append(timer(theirs))
+                times["torch ops"].append(device_ms(theirs, capture="backward" not in op))
             row = {
                 "shape": name,
                 "op": op,

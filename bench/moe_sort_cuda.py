@@ -5,7 +5,8 @@ yardstick and beyond.
 
 For each shape and route, in alternating rounds:
 
-  device_us  the kernels alone: 20 calls captured in a CUDA graph, the replay timed by events
+  device_us  the kernels alone: one call captured in a CUDA graph, its replays timed
+             (``torchgraft.bench.timing.measure``: the median of many)
   wall_us    what an eager step pays: 200 calls back to back, then a synchronisation, per call
              (the larger of the host's issue time and the device time)
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from torchgraft import functional as tgf
+from torchgraft.bench import timing
 from torchgraft.ops.moe_permute.reference import moe_sort_reference
 
 # (name, tokens, top_k, experts)
@@ -36,45 +38,26 @@ SHAPES = [
     ("top-8 of 256 (DeepSeek-V3's count)", 8192, 8, 256),
     ("8x4096 tokens, top-8 of 128", 32768, 8, 128),
 ]
+DEVICE = torch.device("cuda")
 ROUTES: dict[str, Callable[[torch.Tensor, int], object]] = {
     "torch ops": moe_sort_reference,
     "torchgraft": tgf.moe_sort,
 }
 
 
-def device_us(fn: Callable[[], object], calls: int = 20) -> float:
-    """Per-call device time of ``fn``: ``calls`` calls in a CUDA graph, the replay timed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / calls
+def device_us(fn: Callable[[], object]) -> float:
+    """Device time of one call: ``fn`` captured in a CUDA graph, the replays timed."""
+    return timing.measure(timing.graphed(fn, DEVICE), DEVICE).median_ms * 1e3
 
 
-def wall_us(fn: Callable[[], object], calls: int = 200) -> float:
-    """Per-call wall time of ``calls`` eager calls and one synchronisation."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / calls
+def wall_us(fn: Callable[[], object]) -> float:
+    """Per-call wall time of 200 eager calls back to back, synchronised before and after."""
+    return timing.back_to_back_ms(fn, 200, DEVICE) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
