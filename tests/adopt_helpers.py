@@ -257,9 +257,10 @@ MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
 def tiny_moe_model(
     family: str, implementation: str = "grouped_mm", dtype: torch.dtype = torch.float32, **config
 ) -> nn.Module:
-    """A tiny transformers MoE model (``family`` in :data:`MOE_FAMILIES`) from a config, in train
-    mode, its routers drawn at random (they start at zeros, where every expert would tie);
-    ``config`` overrides the config's fields."""
+    """A tiny transformers MoE model (``family`` in :data:`MOE_FAMILIES`, or ``"gpt_oss"``) from
+    a config, in train mode, its routers drawn at random (they start at zeros, where every
+    expert would tie), and GPT-OSS's expert biases too; ``config`` overrides the config's
+    fields."""
     import transformers
 
     fields = {**MOE_COMMON, **config}
@@ -269,6 +270,10 @@ def tiny_moe_model(
         ),
         "olmoe": lambda: transformers.OlmoeConfig(**fields, num_experts=8),
         "mixtral": lambda: transformers.MixtralConfig(**fields, num_local_experts=8),
+        # Experts with biases, gate and up interleaved, a clamped SwiGLU of its own.
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            **fields, num_local_experts=8, head_dim=8, sliding_window=8
+        ),
     }
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -277,4 +282,9 @@ def tiny_moe_model(
     for module in model.modules():
         if type(module).__name__.endswith("TopKRouter"):
             torch.nn.init.normal_(module.weight, std=0.5)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            bias = getattr(module, name, None)
+            if isinstance(bias, torch.nn.Parameter):
+                with torch.no_grad():
+                    bias.normal_(std=0.5)
     return model.train()

@@ -75,6 +75,34 @@ def test_experts_are_adopted_and_train_like_stock(family: str, implementation: s
         assert _rel(got, want) < 1e-4
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_gpt_oss_experts_with_biases_train_like_stock(implementation: str) -> None:
+    """GPT-OSS's experts (biases, gate and up interleaved, its clamped SwiGLU): adopted with the
+    block's own gating, each slot's expert bias added after each grouped GEMM."""
+    stock = tiny_moe_model("gpt_oss", implementation)
+    model = tiny_moe_model("gpt_oss", implementation)
+    ids = _ids()
+    want_loss, want_grads = _step(stock, ids)
+    report = torchgraft.adopt(model)
+    try:
+        rows = _experts_rows(report)
+        assert len(rows) == 2 and all(r.status == "adopted" for r in rows), rows
+        assert all(
+            r.route == "grouped, the model's gating -> torchgraft::moe_permute" for r in rows
+        )
+        torchgraft.reset_stats()
+        with torchgraft.enabled():
+            loss, grads = _step(model, ids)
+        assert torchgraft.stats()["native/torchgraft::moe_permute/CPU"]["calls"] == 4
+    finally:
+        torchgraft.unadopt(model)
+    assert _rel(loss, want_loss) < 1e-5
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert any(n.endswith("experts.gate_up_proj_bias") for n in names)
+    for name, got, want in zip(names, grads, want_grads, strict=True):
+        assert _rel(got, want) < 1e-4, name
+
+
 def test_bfloat16_experts_match_stock_within_bfloat16() -> None:
     stock, model = (
         tiny_moe_model("qwen3_moe", dtype=torch.bfloat16),
@@ -95,11 +123,13 @@ def test_bfloat16_experts_match_stock_within_bfloat16() -> None:
         assert _rel(got, want) < 3e-2, name
 
 
-def test_out_of_range_experts_count_as_zero_like_grouped_mm() -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_out_of_range_experts_count_as_zero_like_grouped_mm(family: str) -> None:
     """Expert parallelism's sentinels (ids >= num_experts) contribute nothing, forward and
-    backward, as in transformers' grouped_mm implementation."""
-    model = tiny_moe_model("qwen3_moe")
+    backward, as in transformers' grouped_mm implementation: to the biases' gradients too."""
+    model = tiny_moe_model(family)
     experts = model.model.layers[0].mlp.experts
+    params = [p for n, p in experts.named_parameters() if n != "down_proj"]
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(10, 32, generator=gen, requires_grad=True)
     index = torch.randint(0, 8, (10, 2), generator=gen)
@@ -109,7 +139,7 @@ def test_out_of_range_experts_count_as_zero_like_grouped_mm() -> None:
 
     def run() -> list[torch.Tensor]:
         out = experts(hidden, index, weights)
-        grads = torch.autograd.grad(out, (hidden, weights, experts.gate_up_proj), upstream)
+        grads = torch.autograd.grad(out, (hidden, weights, *params), upstream)
         return [out.detach(), *grads]
 
     want = run()

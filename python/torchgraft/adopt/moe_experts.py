@@ -25,14 +25,16 @@ and puts the rows back with an index and a sum; its gather's backward is an accu
 Rows of out-of-range experts (expert parallelism's sentinels) are never read as values: the
 permutation ops count them as zero, so no mask is needed.
 
-Adopted only where the layout is the plain one (a gate, ``[gate; up]`` concatenated, no biases)
-and the model runs one of transformers' own implementations (``grouped_mm``, ``batched_mm``,
-``eager``); every candidate is probed against its own forward with random experts, weights and
-routing, forward and backward. The gating between the GEMMs is ``functional.swiglu_packed`` (one
-pass over the ``[gate; up]`` layout, its gradient written over that intermediate; its output is
-made again in the backward rather than kept) where the block
-uses transformers' default gating with an activation the probe finds to be SiLU, and no hooks
-would be skipped; the block's own ``_apply_gate`` otherwise (GPT-OSS-style gating, other
+Adopted where the block has a gate projection (``[gate; up]`` concatenated, or interleaved as
+GPT-OSS's: the block's own gating reads either), with or without biases (GPT-OSS: each slot's
+expert bias added after each grouped GEMM, as transformers does), and the model runs one of
+transformers' own implementations (``grouped_mm``, ``batched_mm``, ``eager``); every candidate
+is probed against its own forward with random experts, weights and routing, forward and
+backward. The gating between the GEMMs is ``functional.swiglu_packed`` (one pass over the
+concatenated ``[gate; up]`` layout without biases, its gradient written over that
+intermediate; its output is made again in the backward rather than kept) where the block uses
+transformers' default gating with an activation the probe finds to be SiLU, and no hooks would
+be skipped; the block's own ``_apply_gate`` otherwise (GPT-OSS's clamped gating, other
 activations, hooks on ``act_fn``: checked on every call).
 """
 
@@ -104,6 +106,9 @@ def _variant(
         again = functools.partial(permute, hidden_states, perm, valid, top_k)
         with recomputed(rows, again, (hidden_states, perm, valid)):
             gate_up = grouped_linear(rows, self.gate_up_proj, offsets, self.is_transposed)
+        experts = _slot_experts(top_k_index, perm, self.num_experts) if self.has_bias else None
+        if experts is not None:
+            gate_up = gate_up + _per_slot(self.gate_up_proj_bias, experts)
         if swiglu is not None and _fused_gate_applies(self, swiglu[1], default_gate):
             # gate_up is this forward's own intermediate: its gradient may overwrite it.
             gated = swiglu[0](gate_up, inplace_backward=True)
@@ -115,6 +120,8 @@ def _variant(
         else:
             gated = self._apply_gate(gate_up)
             out = grouped_linear(gated, self.down_proj, offsets, self.is_transposed)
+        if experts is not None:
+            out = out + _per_slot(self.down_proj_bias, experts)
         summed = unpermute(out, inv_perm, valid, top_k_weights, top_k)
         return summed.to(hidden_states.dtype)  # type: ignore[union-attr]
 
@@ -125,14 +132,31 @@ def _variant(
     return Variant("grouped, fused SwiGLU", OP, forward)
 
 
+def _slot_experts(top_k_index: torch.Tensor, perm: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The expert of each slot (pairs in expert order); ``num_experts`` for another rank's."""
+    ids = top_k_index.reshape(-1)[perm]
+    local = (ids >= 0) & (ids < num_experts)
+    return torch.where(local, ids, num_experts)
+
+
+def _per_slot(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Each slot's expert bias, ``(slots, out)``. Another rank's slots read an appended zero
+    row: the grouped GEMMs leave those rows unwritten, forward and in the backward, and what
+    reaches them lands in that row, not in a real expert's bias gradient."""
+    return nn.functional.pad(bias, (0, 0, 0, 1))[experts]
+
+
 def _fused_gate_applies(module: nn.Module, activation: type, default_gate: object) -> bool:
     """Whether ``swiglu_packed`` computes what ``module._apply_gate`` would, and nothing runs
-    around it that the fused op would skip: transformers' default gating (``default_gate``),
-    the activation class verified on the probe, no hooks on it and no global module hooks.
-    Plain attribute and dict reads, on every call."""
-    act = module._modules["act_fn"]
+    around it that the fused op would skip: the ``[gate; up]`` layout without biases,
+    transformers' default gating (``default_gate``), the activation class verified on the
+    probe, no hooks on it and no global module hooks. Plain attribute and dict reads, on every
+    call."""
+    act = module._modules.get("act_fn")
     return (
         type(act) is activation
+        and module.is_concatenated
+        and not module.has_bias
         and "_apply_gate" not in module.__dict__
         and getattr(type(module), "_apply_gate", None) is default_gate
         and not (act._forward_hooks or act._forward_pre_hooks)
@@ -152,7 +176,7 @@ class MoEExpertsAdopter:
     """transformers' experts blocks (``use_experts_implementation``), found by structure."""
 
     kind = "moe_experts"
-    finds = "3-D gate_up_proj and down_proj, int num_experts, act_fn, transformers' layout flags"
+    finds = "3-D gate_up_proj and down_proj, int num_experts, transformers' layout flags"
 
     def __init__(self) -> None:
         self._variants: dict[tuple[object, ...], Variant] = {}
@@ -171,10 +195,9 @@ class MoEExpertsAdopter:
             return c
         ops, grouped_mm, swiglu = plan
         keys: list[tuple[object, ...]] = [(ops, grouped_mm, None)]
-        if swiglu is not None and _fused_gate_applies(
-            module, type(module.act_fn), _default_apply_gate()
-        ):
-            keys.insert(0, (ops, grouped_mm, (swiglu, type(module.act_fn))))
+        act = module._modules.get("act_fn")
+        if swiglu is not None and _fused_gate_applies(module, type(act), _default_apply_gate()):
+            keys.insert(0, (ops, grouped_mm, (swiglu, type(act))))
         for key in keys:
             if key not in self._variants:
                 self._variants[key] = _variant(*key)  # type: ignore[arg-type]
@@ -236,13 +259,16 @@ def _is_experts(module: nn.Module) -> bool:
     return (
         all(_is_3d(params.get(n)) for n in ("gate_up_proj", "down_proj"))
         and isinstance(getattr(module, "num_experts", None), int)
-        and isinstance(module._modules.get("act_fn"), nn.Module)
         and all(isinstance(getattr(module, f, None), bool) for f in _FLAGS)
     )
 
 
 def _is_3d(p: object) -> bool:
     return isinstance(p, torch.Tensor) and p.dim() == 3
+
+
+def _is_2d(p: object) -> bool:
+    return isinstance(p, torch.Tensor) and p.dim() == 2
 
 
 _FLAGS = ("has_gate", "has_bias", "is_concatenated", "is_transposed")
@@ -256,21 +282,29 @@ def _implementation(module: nn.Module) -> str | None:
     return getattr(getattr(module, "config", None), "_experts_implementation", None)
 
 
+_BIASES = {"gate_up_proj_bias", "down_proj_bias"}
+
+
 def _not_plain(module: nn.Module) -> str:
-    has_gate, has_bias, concatenated, _ = _layout(module)
+    """Why the block's layout is not one the replacement computes ("" when it is): a gate
+    projection (``[gate; up]`` concatenated or interleaved: the block's own gating reads
+    either), biases or none, transformers' own implementation, and nothing else."""
+    has_gate, has_bias, _, _ = _layout(module)
     if not has_gate:
         return "experts without a gate projection"
-    if has_bias:
-        return "experts with biases (GPT-OSS): not adopted"
-    if not concatenated:
-        return "gate and up interleaved: not adopted"
     if not callable(getattr(module, "_apply_gate", None)):
         return "no _apply_gate (transformers' gating)"
+    params = {"gate_up_proj", "down_proj"} | (_BIASES if has_bias else set())
+    if set(module._parameters) != params:
+        flag = "has_bias" if has_bias else "no has_bias"
+        return f"parameters other than gate_up_proj, down_proj and the biases {flag} says"
+    if has_bias and not all(_is_2d(module._parameters[n]) for n in _BIASES):
+        return "biases that are not (experts, features) matrices"
+    if set(module._modules) - {"act_fn"}:
+        return "children besides act_fn"
     implementation = _implementation(module)
     if implementation not in IMPLEMENTATIONS:
         return f"experts implementation {implementation!r} chosen: left in place"
-    if set(module._parameters) != {"gate_up_proj", "down_proj"} or len(module._modules) != 1:
-        return "parameters or children besides gate_up_proj, down_proj and act_fn"
     if module.gate_up_proj.is_meta:
         return "parameters on the meta device: load the weights first"
     return ""
