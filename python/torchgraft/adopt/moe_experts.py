@@ -154,7 +154,8 @@ def _fused_gate_applies(module: nn.Module, activation: type, default_gate: objec
     call."""
     act = module._modules.get("act_fn")
     return (
-        type(act) is activation
+        act is not None
+        and type(act) is activation
         and module.is_concatenated
         and not module.has_bias
         and "_apply_gate" not in module.__dict__

@@ -1,7 +1,7 @@
 //! Mixture-of-experts token permutation: the `(token, k)` pairs grouped by expert (`sort`), the
-//! rows of the pairs gathered into expert order (`permute`), and the experts' output rows put back and summed per token with the
-//! routing weights (`unpermute`), with the backward of `unpermute`. `permute`'s backward is
-//! `unpermute` without weights.
+//! rows of the pairs gathered into expert order (`permute`), and the experts' output rows put
+//! back and summed per token with the routing weights (`unpermute`), with the backward of
+//! `unpermute`. `permute`'s backward is `unpermute` without weights.
 //!
 //! Notation: `tokens` tokens, `top_k` experts each, `S = tokens * top_k` pairs, pair
 //! `p = t * top_k + k`. `perm[s]` is the pair in slot `s` (expert order), `inv_perm[p]` the slot

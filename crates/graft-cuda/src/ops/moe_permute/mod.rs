@@ -1,6 +1,7 @@
 //! Mixture-of-experts token permutation (moe_permute.cu): the pairs sorted by expert (two
-//! launches, a count and a placement), the pairs' hidden rows gathered into expert order, the experts' rows put back and summed per token with the routing weights, and
-//! that sum's backward (the rows' gradient and the weights' in one launch). One warp per row.
+//! launches, a count and a placement), the pairs' hidden rows gathered into expert order, the
+//! experts' rows put back and summed per token with the routing weights, and that sum's
+//! backward (the rows' gradient and the weights' in one launch). One warp per row.
 
 use crate::runtime::error::CudaError;
 use crate::runtime::kernels::Kernel;

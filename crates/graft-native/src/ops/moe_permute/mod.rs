@@ -1,9 +1,8 @@
 //! Mixture-of-experts token permutation: `torchgraft::moe_sort` (the `(token, k)` pairs
 //! grouped by expert), `torchgraft::moe_permute` (the pairs' hidden rows gathered into expert
-//! order), `torchgraft::moe_unpermute` (the experts' output
-//! rows put back and summed per token with the routing weights) and its backward, on CPU
-//! (graft-kernels) and CUDA (graft-cuda). `moe_permute`'s backward is `moe_unpermute` without
-//! weights (Python's autograd calls it).
+//! order), `torchgraft::moe_unpermute` (the experts' output rows put back and summed per token
+//! with the routing weights) and its backward, on CPU (graft-kernels) and CUDA (graft-cuda).
+//! `moe_permute`'s backward is `moe_unpermute` without weights (Python's autograd calls it).
 //!
 //! Operands (`T` tokens, `K = top_k`, `S = T * K` pairs, pair `p = t * K + k`): `perm` and
 //! `inv_perm` `(S,)` int64 (slot `s` holds pair `perm[s]`; pair `p` sits at slot `inv_perm[p]`),
