@@ -23,7 +23,7 @@ FAKE_DISTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "nvidia-cutlass-dsl": ("4.8.1", ("cutlass",)),
     "apache-tvm-ffi": ("0.1.15", ("tvm_ffi",)),
     "flash-attn-4": ("4.0.0b36", ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface")),
-    "quack-kernels": ("0.6.5", ("quack", "quack.rmsnorm")),
+    "quack-kernels": ("0.6.5", ("quack", "quack.rmsnorm", "quack.gemm_interface")),
     "helion": ("1.4.0", ("helion", "helion.language")),  # fits every torch >= 2.11
 }
 
@@ -72,6 +72,7 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     forget_modules_under(
         root,
         "torchgraft.grafts.attention.fa4_kernels",
+        "torchgraft.grafts.grouped_mm.quack_kernels",
         "torchgraft.grafts.rms_norm.quack_kernels",
         "torchgraft.grafts.rms_norm.helion_kernels",
         "torchgraft.grafts.rms_norm.cutile_kernels",
@@ -83,9 +84,10 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 def reset_kernel_modules() -> None:
     """Make every lazily imported kernel module import afresh (and forget failed imports)."""
     from torchgraft.grafts.attention.fa4_impl import FA4
+    from torchgraft.grafts.grouped_mm.quack_impl import QUACK as QUACK_GEMM
     from torchgraft.grafts.rms_norm.dsl_impl import CUTILE, HELION, QUACK
 
-    for kernels in (FA4, QUACK, HELION, CUTILE):
+    for kernels in (FA4, QUACK_GEMM, QUACK, HELION, CUTILE):
         kernels.reset()
 
 

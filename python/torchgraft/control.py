@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torchgraft import native, registry
-from torchgraft.grafts import attention, rms_norm
+from torchgraft.grafts import attention, grouped_mm, rms_norm
 from torchgraft.ops.linear_cross_entropy import registration as linear_cross_entropy
 
 log = logging.getLogger("torchgraft.control")
@@ -44,9 +44,10 @@ def gate_notes() -> dict[tuple[str, str], str]:
     """``(route, op_symbol) -> why that route's override takes the calls it takes``, for every
     registry graft (``torchgraft list`` shows it). Imports no DSL."""
     from torchgraft.grafts.attention.registration import notes as attention_notes
+    from torchgraft.grafts.grouped_mm.registration import notes as grouped_mm_notes
     from torchgraft.grafts.rms_norm.registration import notes as rms_norm_notes
 
-    return attention_notes() | linear_cross_entropy.notes() | rms_norm_notes()
+    return attention_notes() | grouped_mm_notes() | linear_cross_entropy.notes() | rms_norm_notes()
 
 
 """Set to 1 and nothing of torchgraft runs (the global kill switch): :func:`enable` and
@@ -63,7 +64,8 @@ def _env_flag(name: str) -> bool:
 ROUTES = ("native", "triton", "cutedsl", "helion", "cutile")
 """The routes :func:`enable` can install: ``"native"`` (Rust CPU and CUDA C++ kernels through the
 stable C ABI), and the op library's DSL kernels through the registry, on CUDA: ``"triton"``
-(RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's RMSNorm), ``"helion"``
+(RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's grouped GEMM under
+``torch._grouped_mm``, quack's RMSNorm), ``"helion"``
 (RMSNorm) and ``"cutile"`` (RMSNorm)."""
 
 # When enable() without routes installs each (route, op package): always (where a GPU is), only
@@ -79,6 +81,8 @@ _GRAFTS: tuple[tuple[str, Any, str], ...] = (
     ("triton", rms_norm, _NO_NATIVE_CUDA),
     # FA4 has no native sibling; its conds take only problems where it was measured faster.
     ("cutedsl", attention, _ALWAYS),
+    # quack's varlen GEMMs: 1.06-1.22x ATen's grouped GEMM at the MoE experts' shapes (H200).
+    ("cutedsl", grouped_mm, _ALWAYS),
     # quack's RMSNorm ran on par with the native kernel (182.8 vs 183.4 us at 8x4096x4096).
     ("cutedsl", rms_norm, _NAMED),
     ("helion", rms_norm, _NAMED),
@@ -97,8 +101,10 @@ def enable(routes: Iterable[str] | None = None) -> None:
     Args:
         routes: which routes to install (see :data:`ROUTES`). By default the native route, the
             Triton route where the native route has no CUDA kernels (both cover the same ops
-            on CUDA; the native one launches with less host overhead), and FlashAttention-4
-            under SDPA where it was measured faster (when flash-attn-4 is installed). Named
+            on CUDA; the native one launches with less host overhead), FlashAttention-4
+            under SDPA where it was measured faster (when flash-attn-4 is installed), and quack's
+            grouped GEMM under ``torch._grouped_mm`` for MoE experts on Hopper (when
+            quack-kernels is installed). Named
             routes install all their kernels; registry overrides sit on top of the native
             kernels and fall back to them outside their conds.
 

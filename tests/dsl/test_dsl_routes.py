@@ -260,7 +260,7 @@ def test_registering_every_dsl_route_imports_no_dsl(fake_root):
         "_scaled_dot_product_flash_attention_backward",
     ]
     rms = ["_fused_rms_norm", "_fused_rms_norm_backward"]
-    expected = {("cutedsl", op) for op in sdpa + rms} | {
+    expected = {("cutedsl", op) for op in [*sdpa, *rms, "_grouped_mm"]} | {
         (dsl, op) for dsl in ("helion", "cutile") for op in rms
     }
     if cutedsl_triton_usable():
@@ -268,7 +268,7 @@ def test_registering_every_dsl_route_imports_no_dsl(fake_root):
     assert set(overrides) == expected
 
 
-def test_default_enable_takes_fa4_but_not_the_opt_in_rms_norm_routes(fake_root):
+def test_default_enable_takes_fa4_and_quack_grouped_mm_not_the_opt_in_rms_norm(fake_root):
     install_raising_dsls(fake_root)
     # Without a GPU the default installs no CUDA override at all.
     overrides, loaded = _run_enable(fake_root, None)
@@ -281,6 +281,7 @@ def test_default_enable_takes_fa4_but_not_the_opt_in_rms_norm_routes(fake_root):
         ("cutedsl", "_scaled_dot_product_cudnn_attention_backward"),
         ("cutedsl", "_scaled_dot_product_flash_attention"),
         ("cutedsl", "_scaled_dot_product_flash_attention_backward"),
+        ("cutedsl", "_grouped_mm"),
     }
 
 
@@ -294,6 +295,7 @@ def test_missing_libraries_register_nothing_and_say_why(caplog):
         assert [o for o in registry.list_overrides() if o.dsl == "cutedsl"] == []
         assert "FA4 attention overrides not registered" in caplog.text
         assert "RMSNorm cutedsl overrides not registered" in caplog.text
+        assert "quack grouped_mm override not registered" in caplog.text
     finally:
         torchgraft.disable()
 
