@@ -33,3 +33,9 @@ def test_the_attention_extra_pins_versions_the_cutedsl_route_accepts():
         assert version >= Version(library.min_version), name
         assert library.below_version is None or version < Version(library.below_version), name
     assert pins["nvidia-cutlass-dsl"] >= Version(cutedsl.MIN_VERSION)
+
+
+def test_the_moe_extra_pins_quack_as_the_attention_extra_does():
+    moe, attention = _pins("moe"), _pins("attention")
+    assert set(moe) == {"quack-kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi"}, moe
+    assert all(attention[name] == version for name, version in moe.items())
