@@ -23,7 +23,10 @@ FAKE_DISTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "nvidia-cutlass-dsl": ("4.8.1", ("cutlass",)),
     "apache-tvm-ffi": ("0.1.15", ("tvm_ffi",)),
     "flash-attn-4": ("4.0.0b36", ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface")),
-    "quack-kernels": ("0.6.5", ("quack", "quack.rmsnorm", "quack.gemm_interface")),
+    "quack-kernels": (
+        "0.6.5",
+        ("quack", "quack.rmsnorm", "quack.gemm_config", "quack.gemm_interface"),
+    ),
     "helion": ("1.4.0", ("helion", "helion.language")),  # fits every torch >= 2.11
 }
 

@@ -1,9 +1,10 @@
 """A stand-in for ``quack.gemm_interface`` (quack's GEMMs) in eager PyTorch, for CPU tests.
 
-It implements the one entry point torchgraft calls, ``gemm``, for the varlen cases with quack's
-conventions: ``cu_seqlens_m`` / ``cu_seqlens_k`` int32 with a leading zero, a preallocated
-``out`` written in place, rows past the last offset left alone (varlen M), an empty group's
-product written as zeros (varlen K). ``CALLS`` records each call's kind and operand strides.
+It implements the entry point torchgraft calls, the GEMM runner ``gemm_tuned.fn`` under quack's
+autotuner, for the varlen cases with quack's conventions: an explicit ``config``;
+``cu_seqlens_m`` / ``cu_seqlens_k`` int32 with a leading zero; a preallocated ``out`` written in
+place; rows past the last offset left alone (varlen M); an empty group's product written as
+zeros (varlen K). ``CALLS`` records each call's kind and operand strides.
 """
 
 import itertools
@@ -13,8 +14,8 @@ import torch
 CALLS: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
 
 
-def gemm(A, B, out=None, *, cu_seqlens_m=None, cu_seqlens_k=None, tuned=True, **unused):
-    assert out is not None and not tuned and not unused
+def gemm(A, B, out, *, cu_seqlens_m=None, cu_seqlens_k=None, config=None, **unused):
+    assert config == "sm90 default" and not unused
     assert (cu_seqlens_m is None) != (cu_seqlens_k is None)
     cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
     assert cu.dtype == torch.int32 and int(cu[0]) == 0
@@ -29,3 +30,12 @@ def gemm(A, B, out=None, *, cu_seqlens_m=None, cu_seqlens_k=None, tuned=True, **
         for group, (start, end) in enumerate(itertools.pairwise(bounds)):
             out[group] = (a[:, start:end] @ b[start:end]).to(out.dtype)
     return out
+
+
+class _Autotuned:
+    """quack's autotuner object: ``fn`` is the function under it."""
+
+    fn = staticmethod(lambda *args, **kwargs: gemm(*args, **kwargs))
+
+
+gemm_tuned = _Autotuned()

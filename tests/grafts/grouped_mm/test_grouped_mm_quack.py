@@ -105,6 +105,9 @@ def fake_quack(fake_root):
     """quack.gemm_interface = fake_quack_gemm_interface.py; quack imported afresh."""
     write_dist(fake_root, "quack-kernels", "0.6.5")
     write_module(fake_root, "quack", "")
+    (fake_root / "quack" / "gemm_config.py").write_text(
+        "def default_config(device):\n    return 'sm90 default'\n"
+    )
     shutil.copy(
         Path(__file__).resolve().parents[2] / "fake_quack_gemm_interface.py",
         fake_root / "quack" / "gemm_interface.py",
@@ -191,10 +194,22 @@ def test_a_call_quack_refuses_goes_to_aten(fake_quack, monkeypatch, caplog):
     def refuse(*args, **kwargs):
         raise AssertionError("varlen not supported with swap_ab")
 
-    monkeypatch.setattr(impl.QUACK.get(), "gemm", refuse)
+    monkeypatch.setattr(impl.QUACK.get(), "_run", refuse)
     a, w, offs = experts()
     with caplog.at_level(logging.WARNING):
         ours = impl.grouped_mm_impl(a, w.transpose(-2, -1), offs)
     assert "quack refused a grouped GEMM its cond accepted" in caplog.text
     assert torch.equal(ours, torch._grouped_mm(a, w.transpose(-2, -1), offs=offs))
     assert not impl.QUACK.failed  # one refusal is not a broken install
+
+
+def test_offsets_are_padded_once_per_tensor_and_again_after_a_change(fake_quack):
+    cu_seqlens = impl.QUACK.get()._cu_seqlens
+    offs = routed(96, 4)
+    first = cu_seqlens.of(offs)
+    assert first.tolist() == [0, *offs.tolist()]
+    assert cu_seqlens.of(offs) is first  # the projection's other GEMMs reuse it
+    offs[0] -= 1  # changed in place: padded again
+    assert cu_seqlens.of(offs).tolist() == [0, *offs.tolist()]
+    other = offs.clone()
+    assert cu_seqlens.of(other) is not cu_seqlens.of(offs)

@@ -4,20 +4,57 @@ Importing this module imports quack and with it CuteDSL; the impl imports it on 
 never at registration. quack compiles a kernel per (dtype, operand majors, varlen kind) the
 first time it meets one (1-2 s each on the H200), whatever the sizes.
 
-``gemm(..., tuned=False)`` runs quack's default configuration for the GPU (on Hopper a 128 x 192
-tile, ping-pong warpgroups, clusters of 2 along M): the fastest of the four tried at the MoE
-yardstick's shapes in 10 of 12 GEMMs (``bench/results/grouped_mm_cuda-h200.md``). No autotuning:
-it would time every configuration on the first call of each shape.
+The GEMMs run quack's default configuration for the GPU (on Hopper a 128 x 192 tile, ping-pong
+warpgroups, clusters of 2 along M): the fastest of the four tried at the MoE yardstick's shapes
+in 9 of 12 GEMMs, within 4% in the others (``bench/results/grouped_mm_cuda-h200.md``). No
+autotuning: it would time every configuration on the first call of each shape. The call goes
+to quack's GEMM runner with that configuration, which is what ``quack.gemm_interface.gemm(...,
+tuned=False)`` runs for these operands, without its checks for the cases this graft never
+passes (scaled formats, bias, split K): they cost the host 15-50 us a call.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
-import torch.nn.functional as F
-from quack.gemm_interface import gemm
+from quack.gemm_config import default_config
+from quack.gemm_interface import gemm_tuned
 from torch import Tensor
 
 __all__ = ["grouped_mm"]
+
+# quack's GEMM runner under its autotuner: resolved here, so a quack without it fails the
+# import (and the graft declines from then on) instead of a call.
+_run = gemm_tuned.fn
+
+
+@functools.cache
+def _config(device_index: int) -> object:
+    return default_config(torch.device("cuda", device_index))
+
+
+class _CuSeqlens:
+    """quack's ``cu_seqlens`` (a leading zero, then the group ends) for the last offsets seen.
+
+    The three GEMMs of an expert projection, forward and backward, take the same offsets tensor:
+    it is padded once, not three times (a small kernel and ~5 us of host each). The entry is one
+    tuple, read and replaced whole: the backward runs in autograd's device thread."""
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref[Tensor], int, Tensor] | None = None
+
+    def of(self, offs: Tensor) -> Tensor:
+        last = self._last
+        if last is not None and last[0]() is offs and last[1] == offs._version:
+            return last[2]
+        padded = torch.nn.functional.pad(offs, (1, 0))
+        self._last = (weakref.ref(offs), offs._version, padded)
+        return padded
+
+
+_cu_seqlens = _CuSeqlens()
 
 
 def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
@@ -27,13 +64,12 @@ def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
     last offset are not written, as in ATen). A 2-D ``mat_b`` ``(K, N)``: groups of the shared
     dimension, ``(groups, M, N)`` (an empty group's product written as zeros).
     """
-    starts = F.pad(offs, (1, 0))  # quack's cu_seqlens: a leading zero, then the ends
+    starts = _cu_seqlens.of(offs)
+    config = _config(mat_a.device.index or 0)
     if mat_b.dim() == 3:
-        out = torch.empty(mat_a.shape[0], mat_b.shape[-1], device=mat_a.device, dtype=mat_a.dtype)
-        gemm(mat_a, mat_b, out=out, cu_seqlens_m=starts, tuned=False)
+        out = mat_a.new_empty(mat_a.shape[0], mat_b.shape[-1])
+        _run(mat_a, mat_b, out, cu_seqlens_m=starts, config=config)
     else:
-        out = torch.empty(
-            offs.shape[0], mat_a.shape[0], mat_b.shape[-1], device=mat_a.device, dtype=mat_a.dtype
-        )
-        gemm(mat_a, mat_b, out=out, cu_seqlens_k=starts, tuned=False)
+        out = mat_a.new_empty(offs.shape[0], mat_a.shape[0], mat_b.shape[-1])
+        _run(mat_a, mat_b, out, cu_seqlens_k=starts, config=config)
     return out
