@@ -447,10 +447,11 @@ def _report(
         "parallel": "ddp" if args.ddp else "fsdp2",
         "steps": args.steps,
         "warmup": args.warmup,
+        "lr": args.lr,
         "command": "torchrun --nproc-per-node "
         f"{dist.get_world_size()} bench/fsdp2_train_step.py --size {args.size} "
         f"--family {args.family} --variants {','.join(args.variant_names)} "
-        f"--steps {args.steps} --warmup {args.warmup}"
+        f"--steps {args.steps} --warmup {args.warmup} --lr {args.lr:g}"
         + (f" --seq {args.seq}" if args.seq else "")
         + (" --checkpointing" if args.checkpointing else "")
         + f" --reduce-dtype {args.reduce_dtype}"
