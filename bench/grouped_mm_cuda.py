@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from torchgraft.bench import timing
+from torchgraft.bench.results import write_rows
 
 # (name, pairs S, experts E, K = hidden, N = 2 x expert MLP for gate_up; the down projection
 # is (S, E, expert MLP, hidden))
@@ -200,10 +201,6 @@ def main() -> None:
         meta["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl")
     except Exception:
         pass
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = torch.cuda.get_device_name().split()[-1].lower()
-    stem = args.out / f"grouped_mm_cuda-{tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"**Grouped GEMMs on {meta['device']}** (torch {meta['torch']}, {meta['date']}, device ms "
         f"per call, medians of {meta['rounds']} rounds; `bench/grouped_mm_cuda.py`)",
@@ -222,7 +219,7 @@ def main() -> None:
             f"| {best} | {r['aten / best quack']:.2f}x "
             f"| {r['aten wall_ms']:.3f}, {r[f'{DEFAULT} wall_ms']:.3f} |"
         )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_rows(args.out, "grouped_mm_cuda", meta, rows, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -34,12 +34,15 @@ def host_us(fn: Callable[[], object], calls: int = 300) -> float:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/grouped_mm_host_cost.py needs a CUDA GPU")
     rows = torch.randn(512, 128, device=DEVICE, dtype=torch.bfloat16)
     weight = torch.randn(8, 64, 128, device=DEVICE, dtype=torch.bfloat16)
     grad = torch.randn(512, 64, device=DEVICE, dtype=torch.bfloat16)
     offs = torch.arange(1, 9, device=DEVICE, dtype=torch.int32) * 64
     kernels = QUACK.get()
-    assert kernels is not None, QUACK.error
+    if kernels is None:
+        raise SystemExit(f"quack could not be imported: {QUACK.error}")
     gemms = {
         "forward": (rows, weight.transpose(-2, -1)),
         "grad_weight": (grad.t(), rows),

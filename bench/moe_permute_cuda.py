@@ -16,7 +16,6 @@ against the torch ops before timing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import torch
 
 from torchgraft import functional as tgf
 from torchgraft.bench import timing
+from torchgraft.bench.results import write_rows
 from torchgraft.ops.moe_permute.reference import moe_permute_reference, moe_unpermute_reference
 
 OPS = torch.ops.torchgraft
@@ -130,9 +130,6 @@ def main() -> None:
         "rounds": args.rounds,
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"moe_permute_cuda-{torch.cuda.get_device_name().split()[-1].lower()}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"**MoE permutation kernels on {meta['device']}** (torch {meta['torch']}, "
         f"{meta['date']}; bf16; copy {bandwidth:.2f} TB/s; medians of {args.rounds} rounds; "
@@ -146,7 +143,7 @@ def main() -> None:
             f"| {r['shape']} | {r['op']} | {r['floor_ms']:.3f} | {r['torchgraft_ms']:.3f} "
             f"({r['of_floor']:.2f}x) | {r['torch_ops_ms']:.3f} ({r['vs_torch_ops']:.2f}x) |"
         )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_rows(args.out, "moe_permute_cuda", meta, rows, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

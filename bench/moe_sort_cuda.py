@@ -19,7 +19,6 @@ Both routes' outputs are checked equal before timing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 
 from torchgraft import functional as tgf
 from torchgraft.bench import timing
+from torchgraft.bench.results import write_rows
 from torchgraft.ops.moe_permute.reference import moe_sort_reference
 
 # (name, tokens, top_k, experts)
@@ -87,10 +87,6 @@ def main() -> None:
         "rounds": args.rounds,
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = torch.cuda.get_device_name().split()[-1].lower()
-    stem = args.out / f"moe_sort_cuda-{tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"**moe_sort on {meta['device']}** (torch {meta['torch']}, {meta['date']}, medians of "
         f"{meta['rounds']} rounds; `bench/moe_sort_cuda.py`)",
@@ -105,7 +101,7 @@ def main() -> None:
             f"{r['torchgraft device_us']:.1f} / {r['torchgraft wall_us']:.1f} | "
             f"{r['device ratio']:.2f}x / {r['wall ratio']:.2f}x |"
         )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem = write_rows(args.out, "moe_sort_cuda", meta, rows, "\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib

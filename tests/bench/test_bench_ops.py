@@ -349,3 +349,14 @@ def test_timings_report_their_spread_and_the_table_warns_when_it_passes_2x():
     assert json.loads(json.dumps(report.to_json()))["measurements"][1]["max_ms"] == 2.5
     report.measurements[1] = dataclasses.replace(report.measurements[1], max_ms=0.15)
     assert "more than 2x" not in format_terminal(report)
+
+
+def test_standalone_gpu_benchmarks_write_their_rows_and_table(tmp_path):
+    from torchgraft.bench.results import write_rows
+
+    meta = {"device": "NVIDIA H200", "torch": "2.15.0"}
+    rows = [{"shape": "small", "aten device_ms": 0.5}]
+    stem = write_rows(tmp_path / "out", "grouped_mm_cuda", meta, rows, "| a |\n")
+    assert stem == tmp_path / "out" / "grouped_mm_cuda-h200"
+    assert json.loads(stem.with_suffix(".json").read_text()) == {"meta": meta, "rows": rows}
+    assert stem.with_suffix(".md").read_text() == "| a |\n"

@@ -11,7 +11,14 @@ from .harness import BenchReport
 from .plots import PlotUnavailable, plot_bandwidth
 from .table import format_markdown
 
-__all__ = ["SHORT_DTYPES", "WrittenFiles", "device_slug", "file_stem", "write_results"]
+__all__ = [
+    "SHORT_DTYPES",
+    "WrittenFiles",
+    "device_slug",
+    "file_stem",
+    "write_results",
+    "write_rows",
+]
 
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
@@ -61,3 +68,16 @@ def write_results(report: BenchReport, out_dir: Path, *, plot: bool = True) -> W
     except PlotUnavailable as why:
         return WrittenFiles(json_path, markdown, None, str(why))
     return WrittenFiles(json_path, markdown, png, None)
+
+
+def write_rows(
+    out_dir: Path, name: str, meta: dict[str, object], rows: list[dict[str, object]], table: str
+) -> Path:
+    """A standalone GPU benchmark's report (the ``bench/*_cuda.py`` scripts): ``<name>-<gpu>.json``
+    (``{"meta", "rows"}``) and ``<name>-<gpu>.md`` (``table``) under ``out_dir``, ``<gpu>`` the
+    last word of ``meta["device"]`` lowercased (``h200``). Returns the stem, for a plot beside."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{name}-{str(meta['device']).split()[-1].lower()}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.with_suffix(".md").write_text(table)
+    return stem
