@@ -67,6 +67,7 @@ def test_the_expert_gemms_autograd_forms_are_taken():
         (lambda a, b, o: (a, b[..., :44], o, None, None), "K = 32 or N = 44"),
         (lambda a, b, o: (a[:, 2:26], b[:, 2:26], o, None, None), "16-byte aligned"),
         (lambda a, b, o: (a[:0], b, o, None, None), "an empty operand"),
+        (lambda a, b, o: (a, b[:1].expand(4, -1, -1), o, None, None), "zero-stride"),
         (lambda a, b, o: (a.unsqueeze(0), b, o, None, None), "3-D x 3-D"),
         (lambda a, b, o: (a, b[:, :16], o, None, None), "inner sizes differ"),
     ],

@@ -10,8 +10,9 @@ ATen runs it (and raises ATen's errors for bad input):
   the rows), ``mat_b`` 2-D ``(K, N)`` row-major, groups splitting K;
 * int32 offsets, one per group; no bias; a bfloat16 result; CUDA sm_90 (what was measured:
   ``bench/results/grouped_mm_cuda-h200.md``);
-* every size nonzero; data 16-byte aligned, leading strides multiples of 16 bytes (TMA); K and
-  N multiples of 8 (N so the result is contiguous, as ATen lays it out).
+* every size nonzero, no broadcast (zero-stride) operand; data 16-byte aligned, leading strides
+  multiples of 16 bytes (TMA); K and N multiples of 8 (N so the result is contiguous, as ATen
+  lays it out).
 
 Offsets are not read (that would wait for the GPU): decreasing offsets or offsets past M are
 the caller's error, as in ATen's kernel.
@@ -44,6 +45,8 @@ def _layout_reason(mat_a: Tensor, mat_b: Tensor) -> str | None:
         return f"inner sizes differ ({k_a} and {k_b})"
     if min(mat_a.shape[0], k_a, mat_b.shape[-1]) == 0 or (mat_b.dim() == 3 and not mat_b.shape[0]):
         return "an empty operand"
+    if 0 in mat_a.stride() or 0 in mat_b.stride():
+        return "a broadcast (zero-stride) operand"
     if mat_b.shape[-1] % _ALIGN or k_a % _ALIGN:
         return f"K = {k_a} or N = {mat_b.shape[-1]} not a multiple of {_ALIGN}"
     if mat_b.dim() == 3:
