@@ -5,18 +5,17 @@ never at registration. quack compiles a kernel per (dtype, operand majors, varle
 first time it meets one (1-2 s each on the H200), whatever the sizes.
 
 The GEMMs run quack's default configuration for the GPU (on Hopper a 128 x 192 tile, ping-pong
-warpgroups, clusters of 2 along M): the fastest of the four tried at the MoE yardstick's shapes
-in 9 of 12 GEMMs, within 4% in the others (``bench/results/grouped_mm_cuda-h200.md``). No
+warpgroups, clusters of 2 along M): of the four tried at the MoE yardstick's shapes, the
+fastest or within 4% of the fastest in every GEMM (``bench/results/grouped_mm_cuda-h200*.md``). No
 autotuning: it would time every configuration on the first call of each shape. The call goes
 to quack's GEMM runner with that configuration, which is what ``quack.gemm_interface.gemm(...,
 tuned=False)`` runs for these operands, without its checks for the cases this graft never
-passes (scaled formats, bias, split K): they cost the host 15-50 us a call.
+passes (scaled formats, bias, split K): they cost the host 20 us or more a call (H200).
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 from quack.gemm_config import default_config
@@ -35,28 +34,6 @@ def _config(device_index: int) -> object:
     return default_config(torch.device("cuda", device_index))
 
 
-class _CuSeqlens:
-    """quack's ``cu_seqlens`` (a leading zero, then the group ends) for the last offsets seen.
-
-    The three GEMMs of an expert projection, forward and backward, take the same offsets tensor:
-    it is padded once, not three times (a small kernel and ~5 us of host each). The entry is one
-    tuple, read and replaced whole: the backward runs in autograd's device thread."""
-
-    def __init__(self) -> None:
-        self._last: tuple[weakref.ref[Tensor], int, Tensor] | None = None
-
-    def of(self, offs: Tensor) -> Tensor:
-        last = self._last
-        if last is not None and last[0]() is offs and last[1] == offs._version:
-            return last[2]
-        padded = torch.nn.functional.pad(offs, (1, 0))
-        self._last = (weakref.ref(offs), offs._version, padded)
-        return padded
-
-
-_cu_seqlens = _CuSeqlens()
-
-
 def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
     """``torch._grouped_mm(mat_a, mat_b, offs=offs)`` for a 2-D ``mat_a`` in bfloat16.
 
@@ -64,7 +41,9 @@ def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
     last offset are not written, as in ATen). A 2-D ``mat_b`` ``(K, N)``: groups of the shared
     dimension, ``(groups, M, N)`` (an empty group's product written as zeros).
     """
-    starts = _cu_seqlens.of(offs)
+    # Padded on every call: a cache keyed on the offsets tensor would go stale when a CUDA graph's
+    # replay rewrites it, which does not bump its version counter.
+    starts = torch.nn.functional.pad(offs, (1, 0))
     config = _config(mat_a.device.index or 0)
     if mat_b.dim() == 3:
         out = mat_a.new_empty(mat_a.shape[0], mat_b.shape[-1])
