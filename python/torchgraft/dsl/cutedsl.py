@@ -7,17 +7,24 @@ is missing, older than 4.4.1 (``TORCHGRAFT_SKIP_VERSION_CHECK=1`` skips the gate
 
 torchgraft's CuteDSL kernels come from kernel libraries written in it (:data:`LIBRARIES`):
 FlashAttention-4 and quack. :func:`library_unusable_reason` checks one of them the same way,
-without importing it.
+without importing it; :func:`register_library_overrides` installs an op package's overrides
+that call one.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch._vendor.packaging.version import Version
 
 from ..registry import env
 from ._runtime import DSLRuntime, find_module, package_version
+
+if TYPE_CHECKING:
+    from ..registry import OverrideInfo
 
 NAME = "cutedsl"
 #: Distribution name on PyPI and the module it provides.
@@ -96,3 +103,37 @@ def library_unusable_reason(name: str) -> str | None:
             f"set {env.SKIP_VERSION_CHECK_ENV}=1 to register anyway"
         )
     return None
+
+
+#: ``(op_symbol, cond, impl)``: one conditional override of ``aten::<op_symbol>`` at CUDA.
+OverrideRow = tuple[str, Callable[..., Any], Callable[..., Any]]
+
+
+def register_library_overrides(
+    library: str,
+    rows: Callable[[], Iterable[OverrideRow]],
+    registered: list[OverrideInfo],
+    what: str,
+) -> None:
+    """Install the conditional overrides ``rows()`` lists, whose impls call library ``library``
+    (a key of :data:`LIBRARIES`), at CUDA; append what was installed to ``registered``.
+
+    Idempotent: nothing is installed while an override in ``registered`` is still live (entries
+    removed since, e.g. by ``registry.clear_overrides()``, are dropped first). When the library
+    cannot be used, nothing is installed and an INFO log says ``"<what> not registered: <why>"``.
+    ``rows`` is called only then, so the op package's conds and impls are imported only then.
+    """
+    from .. import registry
+
+    live = {o.node_id for o in registry.list_overrides()}
+    registered[:] = [info for info in registered if info.node_id in live]
+    if registered:
+        return
+    reason = library_unusable_reason(library)
+    if reason is not None:
+        logging.getLogger(f"torchgraft.dsl.{NAME}").info("%s not registered: %s", what, reason)
+        return
+    for op_symbol, cond, impl in rows():
+        info = register_op_override("aten", op_symbol, "CUDA", cond, impl)
+        if info is not None:
+            registered.append(info)

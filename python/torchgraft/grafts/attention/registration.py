@@ -8,15 +8,12 @@ flash-attn-4 or CuteDSL is missing or outside the accepted versions
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torchgraft.registry import OverrideInfo
 
 __all__ = ["LIBRARY", "OP_SYMBOLS", "ROUTES", "deregister", "register"]
-
-log = logging.getLogger("torchgraft.grafts.attention")
 
 #: The CuteDSL library these overrides call.
 LIBRARY = "flash-attn-4"
@@ -37,38 +34,27 @@ def register(route: str = "cutedsl") -> None:
     """Installs the conditional FA4 overrides of the four SDPA ops at CUDA. Idempotent."""
     if route not in ROUTES:
         raise ValueError(f"unknown attention route {route!r}; known: {', '.join(ROUTES)}")
-    from torchgraft import registry
-
-    live = {o.node_id for o in registry.list_overrides()}
-    _registered[:] = [info for info in _registered if info.node_id in live]  # after clear_overrides
-    if _registered:
-        return
     from torchgraft.dsl import cutedsl
 
-    reason = cutedsl.library_unusable_reason(LIBRARY)
-    if reason is not None:
-        log.info("FA4 attention overrides not registered: %s", reason)
-        return
-    from . import fa4_cond, fa4_impl
+    def rows() -> list[cutedsl.OverrideRow]:
+        from . import fa4_cond, fa4_impl
 
-    rows = (
-        (OP_SYMBOLS[0], fa4_cond.flash_attention_cond, fa4_impl.flash_attention_impl),
-        (
-            OP_SYMBOLS[1],
-            fa4_cond.flash_attention_backward_cond,
-            fa4_impl.flash_attention_backward_impl,
-        ),
-        (OP_SYMBOLS[2], fa4_cond.cudnn_attention_cond, fa4_impl.cudnn_attention_impl),
-        (
-            OP_SYMBOLS[3],
-            fa4_cond.cudnn_attention_backward_cond,
-            fa4_impl.cudnn_attention_backward_impl,
-        ),
-    )
-    for op_symbol, op_cond, op_impl in rows:
-        info = cutedsl.register_op_override("aten", op_symbol, "CUDA", op_cond, op_impl)
-        if info is not None:
-            _registered.append(info)
+        return [
+            (OP_SYMBOLS[0], fa4_cond.flash_attention_cond, fa4_impl.flash_attention_impl),
+            (
+                OP_SYMBOLS[1],
+                fa4_cond.flash_attention_backward_cond,
+                fa4_impl.flash_attention_backward_impl,
+            ),
+            (OP_SYMBOLS[2], fa4_cond.cudnn_attention_cond, fa4_impl.cudnn_attention_impl),
+            (
+                OP_SYMBOLS[3],
+                fa4_cond.cudnn_attention_backward_cond,
+                fa4_impl.cudnn_attention_backward_impl,
+            ),
+        ]
+
+    cutedsl.register_library_overrides(LIBRARY, rows, _registered, "FA4 attention overrides")
 
 
 def deregister(route: str | None = None) -> None:

@@ -8,15 +8,12 @@ CuteDSL is missing or outside the accepted versions
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torchgraft.registry import OverrideInfo
 
 __all__ = ["LIBRARY", "OP_SYMBOLS", "ROUTES", "deregister", "notes", "register"]
-
-log = logging.getLogger("torchgraft.grafts.grouped_mm")
 
 #: The CuteDSL library the override calls.
 LIBRARY = "quack-kernels"
@@ -32,25 +29,14 @@ def register(route: str = "cutedsl") -> None:
     """Installs the conditional quack override of ``aten::_grouped_mm`` at CUDA. Idempotent."""
     if route not in ROUTES:
         raise ValueError(f"unknown grouped_mm route {route!r}; known: {', '.join(ROUTES)}")
-    from torchgraft import registry
-
-    live = {o.node_id for o in registry.list_overrides()}
-    _registered[:] = [info for info in _registered if info.node_id in live]  # after clear_overrides
-    if _registered:
-        return
     from torchgraft.dsl import cutedsl
 
-    reason = cutedsl.library_unusable_reason(LIBRARY)
-    if reason is not None:
-        log.info("quack grouped_mm override not registered: %s", reason)
-        return
-    from . import quack_cond, quack_impl
+    def rows() -> list[cutedsl.OverrideRow]:
+        from . import quack_cond, quack_impl
 
-    info = cutedsl.register_op_override(
-        "aten", OP_SYMBOLS[0], "CUDA", quack_cond.grouped_mm_cond, quack_impl.grouped_mm_impl
-    )
-    if info is not None:
-        _registered.append(info)
+        return [(OP_SYMBOLS[0], quack_cond.grouped_mm_cond, quack_impl.grouped_mm_impl)]
+
+    cutedsl.register_library_overrides(LIBRARY, rows, _registered, "quack grouped_mm override")
 
 
 def deregister(route: str | None = None) -> None:
