@@ -65,8 +65,7 @@ ROUTES = ("native", "triton", "cutedsl", "helion", "cutile")
 """The routes :func:`enable` can install: ``"native"`` (Rust CPU and CUDA C++ kernels through the
 stable C ABI), and the op library's DSL kernels through the registry, on CUDA: ``"triton"``
 (RMSNorm), ``"cutedsl"`` (FlashAttention-4 under SDPA, quack's grouped GEMM under
-``torch._grouped_mm``, quack's RMSNorm), ``"helion"``
-(RMSNorm) and ``"cutile"`` (RMSNorm)."""
+``torch._grouped_mm``, quack's RMSNorm), ``"helion"`` (RMSNorm) and ``"cutile"`` (RMSNorm)."""
 
 # When enable() without routes installs each (route, op package): always (where a GPU is), only
 # where the native route has no CUDA kernels (the same op, with less host overhead), or only when
@@ -101,12 +100,12 @@ def enable(routes: Iterable[str] | None = None) -> None:
     Args:
         routes: which routes to install (see :data:`ROUTES`). By default the native route, the
             Triton route where the native route has no CUDA kernels (both cover the same ops
-            on CUDA; the native one launches with less host overhead), FlashAttention-4
-            under SDPA where it was measured faster (when flash-attn-4 is installed), and quack's
+            on CUDA; the native one launches with less host overhead), FlashAttention-4 under
+            SDPA where it was measured faster (when flash-attn-4 is installed), and quack's
             grouped GEMM under ``torch._grouped_mm`` for MoE experts on Hopper (when
-            quack-kernels is installed). Named
-            routes install all their kernels; registry overrides sit on top of the native
-            kernels and fall back to them outside their conds.
+            quack-kernels is installed). Named routes install all their kernels; registry
+            overrides sit on top of the native kernels and fall back to them outside their
+            conds.
 
     Idempotent: calling it again while enabled changes nothing (call :func:`disable` first to
     switch routes). Ops and DSLs switched off in :mod:`torchgraft.backends` stay off. Inside a
