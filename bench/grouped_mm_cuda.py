@@ -36,13 +36,13 @@ import torch
 from torchgraft.bench import timing
 from torchgraft.bench.results import write_rows
 
-# (name, pairs S, experts E, K = hidden, N = 2 x expert MLP for gate_up; the down projection
-# is (S, E, expert MLP, hidden))
+# (name, pairs S, experts E, experts per token, hidden, expert MLP): gate_up is S x hidden x
+# 2 MLP, down S x MLP x hidden
 SHAPES = [
-    ("qwen3moe small", 65536, 64, 2048, 768),
-    ("mixtral small", 16384, 8, 2048, 3072),
+    ("qwen3moe small", 65536, 64, 8, 2048, 768),
+    ("mixtral small", 16384, 8, 2, 2048, 3072),
     # Microseconds of GPU work: its wall time per call is the host's cost of a call.
-    ("tiny (host cost)", 512, 8, 128, 64),
+    ("tiny (host cost)", 512, 8, 2, 128, 64),
 ]
 DEVICE = torch.device("cuda")
 DEFAULT = "quack 128x192 pp c2x1"  # quack's default on sm90, what the graft runs
@@ -137,8 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    for name, pairs, experts, hidden, mlp in SHAPES:
-        top_k = 8 if experts == 64 else 2
+    for name, pairs, experts, top_k, hidden, mlp in SHAPES:
         offs = group_offsets(pairs, experts, top_k)
         for proj, k, n in (("gate_up", hidden, 2 * mlp), ("down", mlp, hidden)):
             for kind in ("forward", "grad_input", "grad_weight"):
