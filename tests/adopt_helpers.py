@@ -253,12 +253,25 @@ MOE_COMMON = {
 
 MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
 
+SIGMOID_ROUTING = {
+    "n_routed_experts": 8,
+    "moe_intermediate_size": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 0,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
+"""DeepSeek-V3's and GLM-4-MoE's routing in the tiny configs (:func:`tiny_moe_model`)."""
+
 
 def tiny_moe_model(
     family: str, implementation: str = "grouped_mm", dtype: torch.dtype = torch.float32, **config
 ) -> nn.Module:
-    """A tiny transformers MoE model (``family`` in :data:`MOE_FAMILIES`, or ``"gpt_oss"``) from
-    a config, in train mode, its routers drawn at random (they start at zeros, where every
+    """A tiny transformers MoE model (``family`` in :data:`MOE_FAMILIES`, ``"gpt_oss"``,
+    ``"deepseek_v3"`` or ``"glm4_moe"``) from a config, in train mode, its routers (and the
+    sigmoid routers' correction biases) drawn at random (they start at zeros, where every
     expert would tie), and GPT-OSS's expert biases too; ``config`` overrides the config's
     fields."""
     import transformers
@@ -274,14 +287,29 @@ def tiny_moe_model(
         "gpt_oss": lambda: transformers.GptOssConfig(
             **fields, num_local_experts=8, head_dim=8, sliding_window=8
         ),
+        # Sigmoid routers: 8 experts in 4 groups, 2 kept, a correction bias, a shared expert.
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **fields,
+            **SIGMOID_ROUTING,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+        ),
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(**fields, **SIGMOID_ROUTING),
     }
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         configs[family](), experts_implementation=implementation, dtype=dtype
     )
     for module in model.modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if type(module).__name__.lower().endswith("topkrouter"):
             torch.nn.init.normal_(module.weight, std=0.5)
+            bias = module._buffers.get("e_score_correction_bias")
+            if bias is not None:
+                with torch.no_grad():
+                    bias.normal_(std=0.1)
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             bias = getattr(module, name, None)
             if isinstance(bias, torch.nn.Parameter):

@@ -140,6 +140,23 @@ def _routing_reference(logits: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(-1, keepdim=True)
 
 
+# The sigmoid routers' correction bias (float64, as the float64 logits' weights).
+SIGMOID_BIAS = torch.randn(16, dtype=torch.float64) * 0.2
+
+
+def _sigmoid_routing_reference(logits: torch.Tensor) -> torch.Tensor:
+    """The group-limited top-4 routing weights, in float64 (the selection is the kernel's:
+    equal on random logits)."""
+    scores = logits.sigmoid()
+    choice = scores + SIGMOID_BIAS
+    groups = choice.unflatten(-1, (4, 4)).topk(2, dim=-1).values.sum(-1)
+    kept = groups.topk(2, dim=-1).indices
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter(-1, kept, True)
+    choice = choice.masked_fill(~mask.repeat_interleave(4, dim=-1), float("-inf"))
+    weights = scores.gather(-1, choice.topk(4, dim=-1).indices)
+    return 2.5 * weights / (weights.sum(-1, keepdim=True) + 1e-20)
+
+
 # MoE token permutation: 24 tokens, 4 of 8 experts each, the pairs sorted by expert (stably)
 # with torch's ops; every slot real.
 MOE_IDS = torch.rand(24, 8).topk(4, dim=-1).indices
@@ -178,6 +195,13 @@ FUNCTIONAL = {
     "topk_softmax": (
         lambda logits: tgf.topk_softmax(logits, 4, renormalize=True)[0],
         _routing_reference,
+        [(24, 16)],
+    ),
+    "topk_sigmoid": (
+        lambda logits: tgf.topk_sigmoid(
+            logits, 4, bias=SIGMOID_BIAS, groups=4, topk_groups=2, renormalize=True, scale=2.5
+        )[0],
+        _sigmoid_routing_reference,
         [(24, 16)],
     ),
     "moe_permute": (

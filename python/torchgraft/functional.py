@@ -36,6 +36,8 @@ from torchgraft.ops.rms_norm.reference import acc_dtype as _acc_dtype
 from torchgraft.ops.rms_norm.reference import rms_norm_eager
 from torchgraft.ops.rope import autograd as _rope
 from torchgraft.ops.rope.reference import rope_eager
+from torchgraft.ops.topk_sigmoid import autograd as _topk_sigmoid
+from torchgraft.ops.topk_sigmoid.reference import topk_sigmoid_reference
 from torchgraft.ops.topk_softmax import autograd as _topk
 from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
 
@@ -50,13 +52,15 @@ __all__ = [
     "rope",
     "swiglu",
     "swiglu_packed",
+    "topk_sigmoid",
     "topk_softmax",
 ]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
 # The devices whose kernels run here and have an autocast state.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-# The devices torchgraft::topk_softmax has kernels for (meta tensors take the reference too).
+# The devices the routing kernels (topk_softmax, topk_sigmoid) run on (meta tensors take the
+# reference too).
 _TOPK_DEVICES = ("cpu", "cuda")
 
 
@@ -454,6 +458,68 @@ def topk_softmax(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[
     if not takes:
         return topk_softmax_reference(logits, k, renormalize)
     return _topk.topk_softmax(logits, k, renormalize)
+
+
+def topk_sigmoid(
+    logits: Tensor,
+    k: int,
+    *,
+    bias: Tensor | None = None,
+    groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Mixture-of-experts routing with sigmoid scores and group-limited top-k, in one pass
+    (DeepSeek-V3's and GLM-4-MoE's routers): scores ``sigmoid(logits)``; the experts split into
+    ``groups`` equal groups of adjacent experts, each scored by the sum of its two best
+    ``scores + bias``; the ``k`` best ``scores + bias`` among the experts of the
+    ``topk_groups`` best groups (largest first, the lower expert first among equals); their
+    scores, divided by their sum plus 1e-20 when ``renormalize``, times ``scale``.
+
+    Args:
+        logits: The router's logits, ``(tokens, experts)``, a floating dtype.
+        k: Experts per token, ``1 <= k <= topk_groups * experts / groups``.
+        bias: The router's ``e_score_correction_bias``, ``(experts,)``: it steers the choice
+            only (no gradient reaches it), as in the models.
+        groups: Groups of experts (``n_group``); 1 disables the group limit.
+        topk_groups: Groups kept per token (``topk_group``).
+        renormalize: Divide each token's weights by their sum (``norm_topk_prob``).
+        scale: Multiply the weights by this (``routed_scaling_factor``).
+
+    Returns:
+        ``(weights, indices)``, both ``(tokens, k)``: the weights in float32 (float64 for
+        float64 logits) and differentiable with respect to ``logits``, the experts as int64.
+
+    The kernels run on the CPU (Rust) and CUDA; other devices, dtypes and shapes, and choices
+    the kernels do not take (groups that do not split the experts, ``k`` beyond the kept
+    groups), compute the same with torch's ops, so their errors and results are torch's.
+    """
+    experts = logits.shape[-1] if logits.dim() else 0
+    device = logits.device
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    takes = (
+        logits.dtype in _FLOATS
+        and logits.dim() == 2
+        and device.type in _TOPK_DEVICES
+        and groups >= 1
+        and experts % groups == 0
+        and experts // groups >= 2
+        and 1 <= topk_groups <= groups
+        and 1 <= k <= topk_groups * (experts // groups)
+        and (
+            bias is None
+            or (bias.dtype in _FLOATS and bias.shape == (experts,) and bias.device == device)
+        )
+    )
+    if not takes:
+        return topk_sigmoid_reference(logits, bias, k, groups, topk_groups, renormalize, scale)
+    if bias is not None:
+        # The models add the bias to float32 scores: a bfloat16 bias widens exactly.
+        bias = bias.to(dtype)
+    return _topk_sigmoid.topk_sigmoid(
+        logits, bias, k, groups, topk_groups, renormalize, float(scale)
+    )
 
 
 # The devices the MoE permutation kernels run on, and the dtypes they read `valid` in.

@@ -523,6 +523,28 @@ def test_moe_families_run_through_the_cli_and_adopted_routers_train_like_stock(
     assert data["checks"]["no_grafts_with_torchgraft_off"] is True
 
 
+def test_glm4moe_runs_through_the_cli_with_the_sigmoid_router_adopted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GLM-4-MoE with DeepSeek-V3's routing (2 groups of 2 experts at tiny, 1 kept, weights x
+    2.5, a shared expert): its routers run ``torchgraft::topk_sigmoid`` and give stock's losses."""
+    args = ["bench", "model", "--family", "glm4moe", "--device", "cpu", *FAST, "--loss-steps", "6"]
+    args += ["--variants", "torchgraft", "--no-profile", "--no-plot", "--out", str(tmp_path)]
+    status = cli.main(args)
+    _, err = capsys.readouterr()
+    assert status == 0, err
+    data = json.loads((tmp_path / "model_tiny_glm4moe_cpu_fp32.json").read_text())
+    assert data["size"]["experts"] == {"count": 4, "per_token": 2}
+    stock, adopted = data["variants"]
+    assert all(v["error"] is None and v["state_problems"] == [] for v in data["variants"])
+    rows = [r for r in adopted["notes"]["adoption"]["rows"] if r["kind"] == "moe_router"]
+    assert len(rows) == MOE_TINY.layers and all(r["status"] == "adopted" for r in rows), rows
+    routed = adopted["grafts_per_step"]["native/torchgraft::topk_sigmoid/CPU"]
+    assert routed["calls"] == MOE_TINY.layers
+    assert stock["losses"][-1] < stock["losses"][0]
+    assert adopted["max_abs_loss_diff_vs_stock"] < 1e-5  # float32
+
+
 def test_8b_is_llama_3_1_8b():
     """``8b`` has Llama-3.1-8B's published parameter count (8,030,261,248), untied head."""
     size = model_zoo.SIZES["8b"]

@@ -54,6 +54,7 @@ from torchgraft.ops.moe_permute.reference import (
 )
 from torchgraft.ops.rms_norm.reference import acc_dtype, rms_norm_eager
 from torchgraft.ops.rope.reference import rope_eager
+from torchgraft.ops.topk_sigmoid.reference import topk_sigmoid_reference
 from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
 
 pytestmark = pytest.mark.default_torch
@@ -649,6 +650,79 @@ def _topk_backward_eager(
     return torch.autograd.grad(w, leaf, grad)
 
 
+def _draw_topk_sigmoid(d: Draw) -> tuple[Any, ...]:
+    rows = d.size()
+    groups, size = d.pick([1, 2, 3]), d.pick([2, 3])
+    experts = groups * size
+    shape = [rows, experts]
+    if d.chance(0.08):
+        shape = d.pick([[experts], [rows, 2, experts]])
+        d.mistake("shape")  # the op takes (tokens, experts); torch's ops take any
+    topk_groups = d.pick(range(1, groups + 1))
+    k = d.pick(range(1, topk_groups * size + 1))
+    if d.chance(0.06):
+        # Beyond the kept groups: torch's ops choose among the left-out experts, the op refuses.
+        k = topk_groups * size + 1
+        d.mistake("shape")
+    # Not expanded: torch's float64 sigmoid gives equal logits values an ulp apart (its vector
+    # and tail loops), so the reference would break their ties its own way.
+    logits = d.tensor(shape, d.dtype_of(), layouts=("contiguous", "transposed", "sliced"))
+    bias = None
+    if d.chance(0.6):
+        dtype = _acc(logits.dtype) if logits.is_floating_point() else torch.float32
+        if d.chance(0.1):
+            # Floating only: an integer bias with equal logits makes group scores that tie in
+            # real numbers and not in float32, where the float64 reference breaks them otherwise.
+            dtype = d.pick([torch.float16, torch.bfloat16, torch.float64, torch.float32])
+            d.mistake("dtype")
+        bias = d.tensor(d.perturb_shape([experts]), dtype)
+    return logits, bias, k, groups, topk_groups, d.chance(0.5), d.pick([1.0, 2.5])
+
+
+def _draw_topk_sigmoid_backward(d: Draw) -> tuple[Any, ...]:
+    rows, experts = d.size(), d.size(lo=2, hi=9, empty=0.0)
+    values = d.values([rows, experts], d.dtype_of())
+    logits = d.place(values)
+    k = d.pick([1, 2, experts])
+    with torch.no_grad():
+        real = values.real if values.is_complex() else values
+        indices = torch.topk(real.to(torch.float64), k, dim=-1).indices
+    acc = _acc(logits.dtype) if logits.is_floating_point() else torch.float32
+    indices = d.place(indices)
+    grad = d.tensor(d.perturb_shape([rows, k]), d.dtype_of(acc))
+    return grad, logits, indices, d.chance(0.5), d.pick([1.0, 2.5])
+
+
+def _topk_sigmoid_backward_eager(
+    grad: Tensor, logits: Tensor, indices: Tensor, renormalize: bool, scale: float
+) -> tuple:
+    leaf = logits.detach().requires_grad_()
+    w = leaf.to(_acc(logits.dtype)).sigmoid().gather(-1, indices)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return torch.autograd.grad(w * scale, leaf, grad)
+
+
+def _topk_sigmoid_face(
+    logits: Tensor,
+    bias: Tensor | None,
+    k: int,
+    groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    return tgf.topk_sigmoid(
+        logits,
+        k,
+        bias=bias,
+        groups=groups,
+        topk_groups=topk_groups,
+        renormalize=renormalize,
+        scale=scale,
+    )
+
+
 ROUTING = [
     Case("topk_softmax", _draw_topk, OPS.topk_softmax, topk_softmax_reference),
     Case("topk_softmax_backward", _draw_topk_backward, OPS.topk_softmax_backward,
@@ -658,6 +732,17 @@ ROUTING = [
         _draw_topk,
         lambda logits, k, renorm: tgf.topk_softmax(logits, k, renormalize=renorm),
         topk_softmax_reference,
+        native=False,
+        refuses=frozenset(),
+    ),
+    Case("topk_sigmoid", _draw_topk_sigmoid, OPS.topk_sigmoid, topk_sigmoid_reference),
+    Case("topk_sigmoid_backward", _draw_topk_sigmoid_backward, OPS.topk_sigmoid_backward,
+         _topk_sigmoid_backward_eager),
+    Case(
+        "functional.topk_sigmoid",
+        _draw_topk_sigmoid,
+        _topk_sigmoid_face,
+        topk_sigmoid_reference,
         native=False,
         refuses=frozenset(),
     ),

@@ -47,6 +47,9 @@ pub use ops::rms_norm::{
 };
 pub use ops::rope::{rope, RopeArgs, RopeOperand};
 pub use ops::softmax::{softmax_backward, softmax_forward, SoftmaxBackward, SoftmaxForward};
+pub use ops::topk_sigmoid::{
+    topk_sigmoid_backward, topk_sigmoid_forward, TopkSigmoidBackward, TopkSigmoidForward,
+};
 pub use ops::topk_softmax::{
     topk_softmax_backward, topk_softmax_forward, TopkSoftmaxBackward, TopkSoftmaxForward,
 };

@@ -97,3 +97,37 @@ impl Float for f16 {
         f16::from_f32(v)
     }
 }
+
+/// The math the MoE routing kernels need from the accumulation type (`f32`, `f64`).
+pub trait RoutingMath: Acc {
+    /// `e^self`.
+    fn exp(self) -> Self;
+    /// Whether `self` is NaN.
+    fn is_nan(self) -> bool;
+    /// `v` rounded to `Self` (a scale factor or epsilon given as `f64`).
+    fn from_f64(v: f64) -> Self;
+}
+
+impl RoutingMath for f32 {
+    fn exp(self) -> f32 {
+        f32::exp(self)
+    }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    fn from_f64(v: f64) -> f32 {
+        v as f32
+    }
+}
+
+impl RoutingMath for f64 {
+    fn exp(self) -> f64 {
+        f64::exp(self)
+    }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+    fn from_f64(v: f64) -> f64 {
+        v
+    }
+}

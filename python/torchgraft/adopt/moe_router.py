@@ -1,5 +1,7 @@
 """Mixture-of-experts routers: ``torchgraft.functional.topk_softmax`` in place of the softmax,
-``torch.topk`` and renormalization transformers' top-k routers write.
+``torch.topk`` and renormalization transformers' top-k routers write, and
+``torchgraft.functional.topk_sigmoid`` in place of the sigmoid group-limited routing of
+DeepSeek-V3's and GLM-4-MoE's.
 
 transformers' routers (``Qwen3MoeTopKRouter``, ``OlmoeTopKRouter``, ``MixtralTopKRouter``...)
 hold the gate as a ``(experts, hidden)`` ``weight`` and return ``(router_logits, scores,
@@ -11,9 +13,15 @@ says so. Two families of numerics exist, offered as variants and verified on the
   cast back to the logits' dtype;
 - **always renormalized** (Mixtral): renormalized, scores left in float32.
 
+The sigmoid routers (``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``...) also hold an
+``e_score_correction_bias`` buffer, ``num_group``, ``topk_group``, ``norm_topk_prob`` and
+``routed_scaling_factor``; they compute float32 logits, ``sigmoid`` scores, the choice by
+``scores + bias`` within the best groups, and return the weights in float32. One variant, also
+verified on the probe (with a random correction bias).
+
 Found by structure: a module with a 2-D ``weight`` parameter, integer ``top_k`` and
-``hidden_dim``, no ``bias`` and a one-input forward; routers with a correction bias, group
-limits or sigmoid scores (DeepSeek-V3 style) compute something else and fail the probe.
+``hidden_dim``, no ``bias`` and a one-input forward; the sigmoid routers are told apart by
+their correction bias and group fields. Routers that compute something else fail the probe.
 """
 
 from __future__ import annotations
@@ -26,10 +34,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchgraft.adopt.base import Candidate, Context, Variant, single_input
-from torchgraft.adopt.probe import Case, random_tensor, swapped_parameters, training_mode
+from torchgraft.adopt.probe import (
+    Case,
+    random_tensor,
+    swapped_buffers,
+    swapped_parameters,
+    training_mode,
+)
 from torchgraft.adopt.report import SKIPPED
 
 OP = "torchgraft::topk_softmax"
+SIGMOID_OP = "torchgraft::topk_sigmoid"
+# The sigmoid routers' fields beyond the softmax routers'.
+_SIGMOID_FIELDS = ("num_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
 
 
 Routing = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -56,6 +73,26 @@ def _variants(topk_softmax: Routing) -> tuple[Variant, ...]:
     )
 
 
+def _sigmoid_variants(topk_sigmoid: Routing) -> tuple[Variant, ...]:
+    def sigmoid_grouped(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = hidden_states.reshape(-1, self.hidden_dim).float()
+        logits = F.linear(x, self.weight.float())
+        weights, indices = topk_sigmoid(
+            logits,
+            self.top_k,
+            bias=self.e_score_correction_bias,
+            groups=self.num_group,
+            topk_groups=self.topk_group,
+            renormalize=self.norm_topk_prob,
+            scale=self.routed_scaling_factor,
+        )
+        return logits, weights, indices
+
+    sigmoid_grouped.__qualname__ = "moe_router[sigmoid, group-limited].forward"
+    name = "sigmoid scores, group-limited top-k, corrected choice"
+    return (Variant(name, SIGMOID_OP, sigmoid_grouped),)
+
+
 class MoERouterAdopter:
     """transformers' top-k MoE routers, found by structure."""
 
@@ -63,7 +100,8 @@ class MoERouterAdopter:
     finds = "weight (experts, hidden) + int top_k and hidden_dim, one-input forward"
 
     def __init__(self) -> None:
-        self._variants: tuple[Callable[..., object], tuple[Variant, ...]] | None = None
+        # The variants made for the functional op in use, by op name (remade when it changes).
+        self._variants: dict[str, tuple[Callable[..., object], tuple[Variant, ...]]] = {}
 
     def candidates(self, model: nn.Module, ctx: Context) -> Iterator[Candidate]:
         for path, module in model.named_modules():
@@ -72,15 +110,18 @@ class MoERouterAdopter:
 
     def _candidate(self, path: str, module: nn.Module, ctx: Context) -> Candidate:
         c = Candidate(self.kind, path, type(module).__name__, module, "forward", "forward")
-        fn, missing = ctx.functional_op("topk_softmax")
+        sigmoid = _is_sigmoid_router(module)
+        name = "topk_sigmoid" if sigmoid else "topk_softmax"
+        fn, missing = ctx.functional_op(name)
         why = missing or _not_plain(module)
         if fn is None or why:
             c.status, c.reason = SKIPPED, why
             return c
-        if self._variants is None or self._variants[0] is not fn:
-            self._variants = (fn, _variants(fn))
+        made = self._variants.get(name)
+        if made is None or made[0] is not fn:
+            made = self._variants[name] = (fn, (_sigmoid_variants if sigmoid else _variants)(fn))
         c.own = module.forward
-        c.variants = self._variants[1]
+        c.variants = made[1]
         c.cases = functools.partial(_cases, module)
         c.run = functools.partial(_run, module)
         c.preference_key = (self.kind, type(module))
@@ -99,6 +140,15 @@ def _is_router(module: nn.Module) -> bool:
     )
 
 
+def _is_sigmoid_router(module: nn.Module) -> bool:
+    bias = module._buffers.get("e_score_correction_bias")
+    return (
+        bias is not None
+        and bias.dim() == 1
+        and all(hasattr(module, name) for name in _SIGMOID_FIELDS)
+    )
+
+
 def _not_plain(module: nn.Module) -> str:
     if not single_input(module.forward):
         return "forward does not take exactly one input"
@@ -109,20 +159,30 @@ def _not_plain(module: nn.Module) -> str:
 
 def _cases(module: nn.Module) -> list[Case]:
     """Random tokens and a random gate (the models initialize it to zeros: every expert would
-    tie), in float32 and in the module's dtype."""
+    tie), in float32 and in the module's dtype; a random correction bias where the router has
+    one (the models start it at zeros too)."""
     experts, hidden = module.weight.shape
     gen = torch.Generator().manual_seed(0)
     device = module.weight.device
+    bias = module._buffers.get("e_score_correction_bias")
     cases = []
     for dtype in dict.fromkeys((torch.float32, module.weight.dtype)):
         x = random_tensor((2, 7, hidden), gen, dtype, device).requires_grad_(True)
         weight = nn.Parameter(random_tensor((experts, hidden), gen, dtype, device))
+        buffers = {}
+        if bias is not None:
+            # Of the size of the scores' spread, so that it moves the choice.
+            scale = 0.2
+            buffers["e_score_correction_bias"] = random_tensor(
+                bias.shape, gen, bias.dtype, device, scale
+            )
         cases.append(
             Case(
                 str(dtype).removeprefix("torch."),
                 (x,),
                 leaves=(x, weight),
                 params={"weight": weight},
+                buffers=buffers,
                 training=True,
             )
         )
@@ -131,7 +191,15 @@ def _cases(module: nn.Module) -> list[Case]:
 
 def _run(module: nn.Module, fn: Callable[..., object], case: Case) -> object:
     """Logits and scores (differentiable), and the experts as float (compared exactly: the
-    probe's values are distinct)."""
-    with swapped_parameters(module, case.params), training_mode(module, case.training):
+    probe's values are distinct). Each token's (expert, score) pairs are put in expert order:
+    the experts consume them as pairs, and the sigmoid routers leave their order unspecified
+    (``torch.topk(..., sorted=False)``)."""
+    with (
+        swapped_parameters(module, case.params),
+        swapped_buffers(module, case.buffers),
+        training_mode(module, case.training),
+    ):
         logits, scores, indices = fn(*case.args, **case.kwargs)  # type: ignore[misc]
+    order = indices.argsort(dim=-1)
+    scores, indices = scores.gather(-1, order), indices.gather(-1, order)
     return logits, scores, indices.to(scores.dtype)

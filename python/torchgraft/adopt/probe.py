@@ -41,6 +41,9 @@ class Case:
     """Parameters of the layer replaced by these while the case runs (random values, so that a
     formula cannot agree by accident of the model's initial weights); list them in ``leaves``
     to compare their gradients."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Buffers of the layer replaced by these while the case runs (e.g. a router's correction
+    bias, which the model starts at zeros)."""
     training: bool | None = None
     """The module's mode while the case runs (``None``: as it is)."""
 
@@ -200,6 +203,18 @@ def swapped_parameters(module: nn.Module, params: dict[str, nn.Parameter]) -> It
         yield
     finally:
         module._parameters.update(saved)
+
+
+@contextlib.contextmanager
+def swapped_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily replace some of ``module``'s own buffers; the originals (the same objects)
+    are put back on exit."""
+    saved = {name: module._buffers[name] for name in buffers}
+    try:
+        module._buffers.update(buffers)
+        yield
+    finally:
+        module._buffers.update(saved)
 
 
 @contextlib.contextmanager

@@ -163,8 +163,12 @@ class Family:
     sizes: Mapping[str, Size] = field(default_factory=lambda: SIZES)
     mlp_field: str = "intermediate_size"
     """The config field that takes the size's ``mlp``."""
+    experts_field: str = "num_experts"
+    """The config field that takes the number of routed experts."""
     overrides: Mapping[str, Any] = field(default_factory=dict)
     """Config fields set beyond the shape."""
+    size_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Config fields set for one size only, by size name (over ``overrides``)."""
 
     @property
     def moe(self) -> bool:
@@ -226,6 +230,28 @@ FAMILIES: dict[str, Family] = {
             # Its default end-of-text id (50279) lies outside tiny's vocabulary; nothing here
             # generates text.
             overrides={"eos_token_id": None},
+        ),
+        Family(
+            "glm4moe",
+            "Glm4MoeConfig",
+            "Glm4MoeForCausalLM: a top-k MoE MLP with DeepSeek-V3's router (sigmoid scores, a "
+            "correction bias, the best 4 of 8 groups of experts, weights x 2.5) and a shared "
+            "expert, partial RoPE",
+            None,  # Liger-Kernel has no GLM-4-MoE integration
+            sizes=MOE_SIZES,
+            mlp_field="moe_intermediate_size",
+            experts_field="n_routed_experts",
+            # DeepSeek-V3's routing (GLM-4.5 keeps one group): every layer MoE, one shared expert
+            # of the routed experts' width.
+            overrides={
+                "n_group": 8,
+                "topk_group": 4,
+                "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5,
+                "n_shared_experts": 1,
+                "first_k_dense_replace": 0,
+            },
+            size_overrides={"tiny": {"n_group": 2, "topk_group": 1}},  # 4 experts
         ),
     )
 }
@@ -301,13 +327,14 @@ def build_config(size: Size, family: Family, experts_implementation: str | None 
     }
     if size.experts is not None:
         fields |= {
-            "num_experts": size.experts.count,
+            family.experts_field: size.experts.count,
             "num_experts_per_tok": size.experts.per_token,
             "output_router_logits": True,
             "experts_implementation": experts_implementation or EXPERTS_IMPLEMENTATIONS[0],
         }
     config_class = getattr(transformers, family.config_class)
-    return config_class(**fields, **family.overrides)
+    overrides = {**family.overrides, **family.size_overrides.get(size.name, {})}
+    return config_class(**fields, **overrides)
 
 
 def build_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:

@@ -10,6 +10,7 @@ pub(crate) mod moe_permute;
 pub(crate) mod rms_norm;
 pub(crate) mod rope;
 pub(crate) mod softmax;
+pub(crate) mod topk_sigmoid;
 pub(crate) mod topk_softmax;
 
 use crate::runtime::kernels::Kernel;
@@ -26,6 +27,7 @@ const TABLES: &[fn() -> Vec<Kernel>] = &[
     cross_entropy::kernel_table,
     moe_permute::kernel_table,
     topk_softmax::kernel_table,
+    topk_sigmoid::kernel_table,
 ];
 
 /// The crate's kernel table: every op's kernels.

@@ -12,4 +12,5 @@ pub mod moe_permute;
 pub mod rms_norm;
 pub mod rope;
 pub mod softmax;
+pub mod topk_sigmoid;
 pub mod topk_softmax;

@@ -10,6 +10,7 @@
 use std::cmp::Ordering;
 
 use crate::blocks::for_each;
+pub use crate::float::RoutingMath;
 use crate::float::{Acc, Float};
 use crate::parallel::Parallel;
 
@@ -20,32 +21,6 @@ pub struct Routing {
     pub experts: usize,
     pub k: usize,
     pub renormalize: bool,
-}
-
-/// The math the kernels need from the accumulation type (`f32`, `f64`).
-pub trait RoutingMath: Acc {
-    /// `e^self`.
-    fn exp(self) -> Self;
-    /// Whether `self` is NaN.
-    fn is_nan(self) -> bool;
-}
-
-impl RoutingMath for f32 {
-    fn exp(self) -> f32 {
-        f32::exp(self)
-    }
-    fn is_nan(self) -> bool {
-        f32::is_nan(self)
-    }
-}
-
-impl RoutingMath for f64 {
-    fn exp(self) -> f64 {
-        f64::exp(self)
-    }
-    fn is_nan(self) -> bool {
-        f64::is_nan(self)
-    }
 }
 
 /// Softmax of `logits` into `probs` (same length, nonzero).

@@ -12,6 +12,7 @@ mod linear_cross_entropy;
 mod moe_permute;
 mod rms_norm;
 mod rope;
+mod topk_sigmoid;
 mod topk_softmax;
 
 use std::sync::Mutex;
@@ -262,6 +263,28 @@ const OPS: &[CustomOp] = &[
         },
         cpu_counters: &topk_softmax::cpu::TOPK_SOFTMAX_BACKWARD_CPU,
         cuda_counters: &topk_softmax::cuda::TOPK_SOFTMAX_BACKWARD_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::topk_sigmoid",
+        schema: c"topk_sigmoid(Tensor logits, Tensor? bias, int k, int groups, int topk_groups, bool renormalize, float scale) -> (Tensor, Tensor)",
+        register_cpu: |lib| lib.register::<topk_sigmoid::cpu::TopkSigmoidCpu>(c"topk_sigmoid"),
+        register_cuda: |lib| lib.register::<topk_sigmoid::cuda::TopkSigmoidCuda>(c"topk_sigmoid"),
+        cpu_counters: &topk_sigmoid::cpu::TOPK_SIGMOID_CPU,
+        cuda_counters: &topk_sigmoid::cuda::TOPK_SIGMOID_CUDA,
+        cuda: true,
+    },
+    CustomOp {
+        op: "torchgraft::topk_sigmoid_backward",
+        schema: c"topk_sigmoid_backward(Tensor grad_weights, Tensor logits, Tensor indices, bool renormalize, float scale) -> Tensor",
+        register_cpu: |lib| {
+            lib.register::<topk_sigmoid::cpu::TopkSigmoidBackwardCpu>(c"topk_sigmoid_backward")
+        },
+        register_cuda: |lib| {
+            lib.register::<topk_sigmoid::cuda::TopkSigmoidBackwardCuda>(c"topk_sigmoid_backward")
+        },
+        cpu_counters: &topk_sigmoid::cpu::TOPK_SIGMOID_BACKWARD_CPU,
+        cuda_counters: &topk_sigmoid::cuda::TOPK_SIGMOID_BACKWARD_CUDA,
         cuda: true,
     },
     CustomOp {
