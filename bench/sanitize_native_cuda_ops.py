@@ -3,7 +3,8 @@
 softmax and log-softmax (narrow, wide and very wide rows: every kernel family, with
 ``TORCHGRAFT_CUDA_SOFTMAX=always`` so that no call is left to ATen), LayerNorm, Adam and AdamW,
 SwiGLU and GeGLU (also with the in-place backward), RoPE (full, partial, grouped-query),
-cross-entropy (also in place) and the fused linear cross-entropy, forward and backward, in the
+cross-entropy (also in place) and the fused linear cross-entropy, the MoE routing (softmax and
+sigmoid group-limited top-k: every forward kernel variant), forward and backward, in the
 dtypes the kernels compute. Every result is checked against a float64 reference on the CPU, so a
 wrong value fails the run as well as a sanitizer report. With the caching allocator off each
 tensor is its own allocation and an access past its end is caught:
@@ -11,8 +12,9 @@ tensor is its own allocation and an access past its end is caught:
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1 TORCHGRAFT_CUDA_SOFTMAX=always
     compute-sanitizer --tool memcheck --error-exitcode 9 python bench/sanitize_native_cuda_ops.py
 
-(bench/sanitize_native_cuda.py does the same for RMSNorm.) Without a GPU it runs on the CPU,
-which checks the script itself.
+(bench/sanitize_native_cuda.py does the same for RMSNorm.) Name parts to run only those
+(``... sanitize_native_cuda_ops.py routing``). Without a GPU it runs on the CPU, which checks the
+script itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 
 import torchgraft
 import torchgraft.functional as tgf
+from torchgraft.ops.topk_sigmoid.reference import topk_sigmoid_reference
+from torchgraft.ops.topk_softmax.reference import topk_softmax_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HALVES = [torch.bfloat16, torch.float16]
@@ -177,12 +181,46 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     )
 
 
+def routing() -> None:
+    """topk_softmax and topk_sigmoid: rows of 8 to 1000 experts (the register kernels and the
+    loop kernels), a correction bias, groups, renormalized and scaled; against the routers'
+    expressions in torch's ops."""
+    for dtype in [torch.float32, *HALVES]:
+        for experts, k, groups, topk_groups in ((8, 2, 4, 2), (64, 8, 8, 4), (256, 8, 8, 4),
+                                                (512, 16, 1, 1), (1000, 40, 8, 2)):  # fmt: skip
+            logits = rand(37, experts, dtype=dtype)
+            bias = rand(experts) * 0.1
+            route = (k, groups, topk_groups, True, 2.5)
+
+            def sigmoid(x: torch.Tensor) -> torch.Tensor:
+                k, groups, topk_groups, renormalize, scale = route  # noqa: B023
+                return tgf.topk_sigmoid(
+                    x, k, bias=bias, groups=groups, topk_groups=topk_groups,  # noqa: B023
+                    renormalize=renormalize, scale=scale,
+                )[0]  # fmt: skip
+
+            def sigmoid_reference(x: torch.Tensor) -> torch.Tensor:
+                return topk_sigmoid_reference(x, bias.cpu().double(), *route)[0]  # noqa: B023
+
+            def softmax(x: torch.Tensor) -> torch.Tensor:
+                return tgf.topk_softmax(x, k, renormalize=True)[0]  # noqa: B023
+
+            def softmax_reference(x: torch.Tensor) -> torch.Tensor:
+                return topk_softmax_reference(x, k, True)[0]  # noqa: B023
+
+            size = f"{dtype} {experts} experts"
+            compare(f"topk_sigmoid {size}", sigmoid, sigmoid_reference, [logits], dtype)
+            compare(f"topk_softmax {size}", softmax, softmax_reference, [logits], dtype)
+
+
 def main() -> int:
     if DEVICE.type == "cuda" and os.environ.get("TORCHGRAFT_CUDA_SOFTMAX") != "always":
         print("set TORCHGRAFT_CUDA_SOFTMAX=always so that every softmax call runs torchgraft's")
         return 2
     torchgraft.enable()
-    for part in (softmax_and_layer_norm, adam, fused_ops, losses):
+    parts = (softmax_and_layer_norm, adam, fused_ops, losses, routing)
+    chosen = sys.argv[1:]
+    for part in [p for p in parts if not chosen or p.__name__ in chosen]:
         part()
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()

@@ -111,8 +111,43 @@ def test_cuda_matches_float64(
     assert weights.dtype == acc and indices.dtype == torch.int64
     assert weights.shape == indices.shape == (tokens, k) and weights.is_cuda and indices.is_cuda
     assert torch.isfinite(weights).all(), f"seed {seed}"
-    assert torch.equal(indices, want_i), f"seed {seed}"
-    assert _rel(weights, want_w) <= TOL[dtype], f"seed {seed}"
+    differ = (indices != want_i).any(dim=-1)
+    assert differ.float().mean() <= 1e-3, f"seed {seed}: {int(differ.sum())} tokens"
+    if differ.any():
+        _assert_near_ties(logits.double()[differ], b64, indices[differ], groups, topk_groups)
+    # The weights of the experts the kernel chose, in float64.
+    chosen_w = logits.double().sigmoid().gather(-1, indices)
+    if renormalize:
+        chosen_w = chosen_w / (chosen_w.sum(-1, keepdim=True) + 1e-20)
+    assert _rel(weights, chosen_w * scale) <= TOL[dtype], f"seed {seed}"
+    assert _rel(weights[~differ], want_w[~differ]) <= TOL[dtype], f"seed {seed}"
+
+
+def _assert_near_ties(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    indices: torch.Tensor,
+    groups: int,
+    topk_groups: int,
+) -> None:
+    """Where the kernel's choice differs from the float64 reference's, it must be one the
+    float64 values tie on within float32 rounding (top-2 sums of many groups near 2.0 come that
+    close): every chosen expert's group within a few ulps of the ``topk_groups``-th best group
+    score; no expert of a group that beats that score clearly, beating the chosen experts
+    clearly, left out; the chosen experts largest first, up to a few ulps."""
+    slack = 1e-6
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    size = choice.shape[-1] // groups
+    group_scores = choice.unflatten(-1, (groups, size)).topk(2, dim=-1).values.sum(-1)
+    cut = group_scores.topk(topk_groups, dim=-1).values[:, -1:]
+    assert (group_scores.gather(-1, indices // size) >= cut - slack).all()
+    picked = choice.gather(-1, indices)
+    assert (picked[:, 1:] <= picked[:, :-1] + slack).all()
+    surely_kept = (group_scores > cut + slack).repeat_interleave(size, dim=-1)
+    must = surely_kept & (choice > picked.min(dim=-1, keepdim=True).values + slack)
+    chosen = torch.zeros_like(must).scatter_(-1, indices, True)
+    assert not (must & ~chosen).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
