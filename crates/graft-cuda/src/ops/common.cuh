@@ -578,4 +578,50 @@ struct BulkSync {
   }
 };
 
+// Accumulation-type math for the routing kernels (topk_softmax.cu, topk_sigmoid.cu).
+__device__ __forceinline__ float exp_acc(float v) { return expf(v); }
+__device__ __forceinline__ double exp_acc(double v) { return exp(v); }
+
+// 1 / v without a call: the hardware's approximation (rcp.approx) refined by Newton steps, one
+// for float (from about an ulp), three for double (from about 2^-22). The correctly rounded
+// reciprocal and division have slow paths that are calls, whose saved registers spilled in the
+// routing kernels' register variants (ptxas: __frcp_rn). v must be a normal number or NaN (the
+// callers' operands: sums of at least one probability or exponential, or 1 + exp(-x) scaled
+// into range). The emulator divides.
+__device__ __forceinline__ float rcp_approx(float v) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+#else
+  return 1.0f / v;
+#endif
+}
+__device__ __forceinline__ double rcp_approx(double v) {
+#if defined(__CUDA_ARCH__)
+  double r;
+  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(v));
+  return r;
+#else
+  return 1.0 / v;
+#endif
+}
+template <typename A>
+__device__ __forceinline__ A recip(A v) {
+  constexpr int kSteps = sizeof(A) == 8 ? 3 : 1;
+  A r = rcp_approx(v);
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) r = fma(r, fma(-v, r, A(1)), r);
+  return r;
+}
+
+// a / b from inv = recip(b): a * inv corrected once (Markstein), the correctly rounded quotient
+// of the CPU kernels' division or within an ulp of it, for the routing kernels' operands (b a
+// sum of exponentials or scores, at least one of them; 0 <= a <= b).
+template <typename A>
+__device__ __forceinline__ A divide(A a, A b, A inv) {
+  const A q = a * inv;
+  return fma(fma(-q, b, a), inv, q);
+}
+
 }  // namespace graft_common

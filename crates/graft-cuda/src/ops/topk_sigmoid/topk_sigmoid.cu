@@ -44,7 +44,10 @@
 namespace graft_topk_sigmoid {
 
 using graft_common::Acc;
+using graft_common::divide;
+using graft_common::exp_acc;
 using graft_common::from_acc;
+using graft_common::recip;
 using graft_common::to_acc;
 
 // Mirrored by #[repr(C)] TopkSigmoidParams in src/ops/topk_sigmoid/mod.rs; every field is
@@ -79,49 +82,6 @@ __device__ __forceinline__ long long smem_per_warp(long long experts, long long 
   if (groups <= 1) return 0;
   const long long values = (V > 0 ? experts : 0) + groups;
   return values * static_cast<long long>(sizeof(A)) + (groups + 7) / 8 * 8;
-}
-
-__device__ __forceinline__ float exp_acc(float v) { return expf(v); }
-__device__ __forceinline__ double exp_acc(double v) { return exp(v); }
-
-// 1 / v without a call: the hardware's approximation (rcp.approx) refined by Newton steps, one
-// for float (from about an ulp), three for double (from about 2^-22), as in topk_softmax.cu.
-// The correctly rounded reciprocal and division have slow paths that are calls, whose saved
-// registers spill in the register kernels. v must be a normal number or NaN. The emulator
-// divides.
-__device__ __forceinline__ float rcp_approx(float v) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-#else
-  return 1.0f / v;
-#endif
-}
-__device__ __forceinline__ double rcp_approx(double v) {
-#if defined(__CUDA_ARCH__)
-  double r;
-  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(v));
-  return r;
-#else
-  return 1.0 / v;
-#endif
-}
-template <typename A>
-__device__ __forceinline__ A recip(A v) {
-  constexpr int kSteps = sizeof(A) == 8 ? 3 : 1;
-  A r = rcp_approx(v);
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i) r = fma(r, fma(-v, r, A(1)), r);
-  return r;
-}
-
-// a / b from inv = recip(b): a * inv corrected once (Markstein), the correctly rounded quotient
-// or within an ulp of it, for the operands here (b a sum of scores plus 1e-20; 0 <= a <= b).
-template <typename A>
-__device__ __forceinline__ A divide(A a, A b, A inv) {
-  const A q = a * inv;
-  return fma(fma(-q, b, a), inv, q);
 }
 
 // 1 / (1 + exp(0 - x)), the CPU kernel's formula. The denominator v is at least 1: +inf gives

@@ -27,7 +27,10 @@
 namespace graft_topk {
 
 using graft_common::Acc;
+using graft_common::divide;
+using graft_common::exp_acc;
 using graft_common::from_acc;
+using graft_common::recip;
 using graft_common::to_acc;
 
 // Mirrored by #[repr(C)] TopkParams in src/ops/topk_softmax/mod.rs; every field is 8 bytes.
@@ -45,50 +48,6 @@ struct TopkParams {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ float exp_acc(float v) { return expf(v); }
-__device__ __forceinline__ double exp_acc(double v) { return exp(v); }
-
-// 1 / v without a call: the hardware's approximation (rcp.approx) refined by Newton steps, one
-// for float (from about an ulp), three for double (from about 2^-22). The correctly rounded
-// reciprocal and division have slow paths that are calls, whose saved registers spilled
-// (ptxas: __frcp_rn in the v16 kernels). The operands here are normal numbers (sums of at
-// least one probability or exponential) or NaN. The emulator divides.
-__device__ __forceinline__ float rcp_approx(float v) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-#else
-  return 1.0f / v;
-#endif
-}
-__device__ __forceinline__ double rcp_approx(double v) {
-#if defined(__CUDA_ARCH__)
-  double r;
-  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(v));
-  return r;
-#else
-  return 1.0 / v;
-#endif
-}
-template <typename A>
-__device__ __forceinline__ A recip(A v) {
-  constexpr int kSteps = sizeof(A) == 8 ? 3 : 1;
-  A r = rcp_approx(v);
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i) r = fma(r, fma(-v, r, A(1)), r);
-  return r;
-}
-
-// a / b from inv = recip(b): a * inv corrected once (Markstein), the correctly rounded quotient
-// of the CPU kernel's division or within an ulp of it, for the operands here (b a sum of
-// exponentials, at least 1, or of at least one probability; a at most b).
-template <typename A>
-__device__ __forceinline__ A divide(A a, A b, A inv) {
-  const A q = a * inv;
-  return fma(fma(-q, b, a), inv, q);
-}
 
 // The CPU kernel's maximum: NaN as soon as one value is NaN (softmax is then NaN everywhere).
 template <typename A>
